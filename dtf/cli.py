@@ -1,0 +1,62 @@
+"""`python -m dtf`: compose the config with Hydra, validate it, launch the ranks. Nothing else.
+
+The config is resolved and frozen here, once, on the driver; launchers ship that object
+(pickled) to the ranks, which never re-parse the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dtf import launch
+from dtf.config import store
+from dtf.config.validate import validate
+from dtf.errors import RankFailedError, UserError
+from dtf.worker import spawned_rank_main
+
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+
+
+def _run_stamp() -> str:
+    """The default run directory's name: a timestamp, or under an external torchrun the
+    run id that all its ranks share (so they agree on one directory)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+        return f"torchrun/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
+
+
+store.register()
+OmegaConf.register_new_resolver("dtf_stamp", _run_stamp, use_cache=True, replace=True)
+
+
+def run(cfg: DictConfig, run_dir: str) -> Any:
+    """Validate, freeze and launch one run; returns rank 0's summary. Callable without Hydra's CLI."""
+    validate(cfg)
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    launcher = launch.build(cfg.launcher)
+    return launcher.launch(spawned_rank_main, cfg, run_dir)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> Any:
+    try:
+        return run(cfg, HydraConfig.get().runtime.output_dir)
+    except RankFailedError as e:
+        print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_FAILED) from None
+    except UserError as e:
+        print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def main() -> None:
+    _hydra_main()

@@ -1,0 +1,101 @@
+"""Structured-config schemas for the parts of a run that dtf owns.
+
+Each option YAML in `conf/<group>/` starts from one of these (via its defaults list),
+so a misspelled key or a wrong type fails when Hydra composes the config, before any
+process starts. What users own (model, optimizer, loss, scheduler, dataset) stays
+free-form and is built by `_target_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class LRScaling(str, Enum):
+    """How the optimizer's learning rate grows with the number of ranks (Goyal et al.)."""
+
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class Progress(str, Enum):
+    auto = "auto"  # a bar on a TTY, plain lines otherwise
+    bar = "bar"
+    lines = "lines"
+    off = "off"
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 10
+    # Stop after this many optimizer steps (overrides max_epochs when set).
+    max_steps: Optional[int] = None
+    grad_accum_steps: int = 1
+    grad_clip_norm: Optional[float] = None
+    lr_scaling: LRScaling = LRScaling.linear
+    warmup_steps: int = 0
+    # null: start the warm-up at the single-rank LR (1/scale); see docs.
+    warmup_start_factor: Optional[float] = None
+    seed: int = 0
+    deterministic: bool = False
+    eval_every_n_epochs: int = 1
+    log_every_n_steps: int = 50
+    progress: Progress = Progress.auto
+    tensorboard: bool = True
+    # Write <run_dir>/model.pt (full state dict, rank 0) at the end.
+    export_weights: bool = True
+    device: str = "auto"
+    dist_backend: str = "auto"
+    dist_timeout_s: float = 1800.0
+    # A user step function by _target_ (with _partial_: true): (model, batch, loss_fn) -> loss.
+    step_fn: Any = None
+    # Steps left out of the median step time (start-up, allocator warm-up).
+    num_warmup_timing_steps: int = 5
+
+
+@dataclass
+class LoaderDataConfig:
+    """A map-style dataset through torch's DataLoader and DistributedSampler."""
+
+    # _target_ of a callable returning a Dataset (train only) or a (train, test) pair.
+    dataset: Any = MISSING
+    # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
+    batch_size: int = 32
+    # Defaults to batch_size.
+    eval_batch_size: Optional[int] = None
+    shuffle: bool = True
+    drop_last: bool = False
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass
+class DDPStrategyConfig:
+    name: str = "ddp"
+    find_unused_parameters: bool = False
+    # Re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
+    forward_sync_buffers: bool = True
+    bucket_cap_mb: Optional[float] = None
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+
+@dataclass
+class LocalLauncherConfig:
+    name: str = "local"
+    # Ranks on this machine.
+    nproc: int = 2
+    # How often the elastic agent restarts all ranks after one fails.
+    max_restarts: int = 0
+    # Seconds between the agent's health checks of the ranks.
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    # Echo the other ranks' output to the console too (it always goes to <run_dir>/logs).
+    tee_all_ranks: bool = False
+    # Extra environment variables for every rank (e.g. OMP_NUM_THREADS).
+    env: dict[str, str] = field(default_factory=dict)

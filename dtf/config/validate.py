@@ -1,0 +1,114 @@
+"""Rules Hydra's schemas cannot express, checked on the driver before any process starts.
+
+Every failure is a UserError whose message names the key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from hydra._internal.utils import _locate
+from omegaconf import DictConfig, ListConfig
+
+from dtf.errors import UserError
+
+# Keys Hydra's instantiate consumes itself; everything else is passed to the target.
+_HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
+_BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise UserError(f"{key}={value} is invalid: {rule}")
+
+
+def validate(cfg: DictConfig) -> None:
+    _check_trainer(cfg.trainer)
+    _check_data(cfg.data)
+    _check_launcher(cfg.launcher)
+    lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
+    if lr is not None:
+        _require(isinstance(lr, int | float) and lr > 0, "optimizer.lr", lr, "give a positive learning rate, e.g. optimizer.lr=1e-3")
+    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):
+        node = cfg.get(section)
+        if node is not None:
+            for path, target_node in _targets(node, section):
+                _check_target(path, target_node)
+
+
+def _check_trainer(t: DictConfig) -> None:
+    _require(t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "train at least one epoch")
+    _require(t.max_steps is None or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "use a positive number, or null to train max_epochs")
+    _require(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
+    _require(t.grad_clip_norm is None or t.grad_clip_norm > 0, "trainer.grad_clip_norm", t.grad_clip_norm, "use a positive norm, or null for no clipping")
+    _require(t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "use 0 (no warm-up) or more")
+    _require(t.warmup_start_factor is None or 0 < t.warmup_start_factor <= 1, "trainer.warmup_start_factor",
+             t.warmup_start_factor, "use a factor in (0, 1], or null for the default")
+    _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "use 1 or more")
+    _require(t.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", t.eval_every_n_epochs, "use 1 or more")
+    _require(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "use a positive number of seconds")
+    _require(t.num_warmup_timing_steps >= 0, "trainer.num_warmup_timing_steps", t.num_warmup_timing_steps, "use 0 or more")
+    _require(t.dist_backend in _BACKENDS, "trainer.dist_backend", t.dist_backend, f"choose one of {', '.join(_BACKENDS)}")
+    device = str(t.device)
+    _require(device in ("auto", "cpu", "cuda"), "trainer.device", device, "choose auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
+    if t.dist_backend == "nccl" and (device == "cpu" or not torch.cuda.is_available()):
+        raise UserError("trainer.dist_backend=nccl needs CUDA devices: use trainer.dist_backend=auto or gloo")
+
+
+def _check_data(d: DictConfig) -> None:
+    if "batch_size" in d:
+        _require(d.batch_size >= 1, "data.batch_size", d.batch_size, "use a per-rank batch size of 1 or more")
+    if d.get("eval_batch_size") is not None:
+        _require(d.eval_batch_size >= 1, "data.eval_batch_size", d.eval_batch_size, "use 1 or more, or null for data.batch_size")
+    if "num_workers" in d:
+        _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the rank) or more")
+
+
+def _check_launcher(launcher: DictConfig) -> None:
+    if "nproc" in launcher:
+        _require(launcher.nproc >= 1, "launcher.nproc", launcher.nproc, "start at least one rank, e.g. launcher.nproc=2")
+    if "max_restarts" in launcher:
+        _require(launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more")
+
+
+def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
+    """Every config node with a _target_ below node, with its dotted path."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path, node
+        for key in node:
+            if key not in _HYDRA_KEYS:
+                yield from _targets(node._get_node(key), f"{path}.{key}")
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _targets(item, f"{path}[{i}]")
+
+
+def _check_target(path: str, node: DictConfig) -> None:
+    target = node._target_
+    try:
+        obj = _locate(str(target))
+    except Exception as e:  # _locate raises ImportError with the real cause chained
+        cause = e.__cause__ or e
+        raise UserError(
+            f"{path}._target_={target} cannot be imported ({type(cause).__name__}: {cause}): "
+            "check the dotted path, or make its module importable (install it or add it to PYTHONPATH)"
+        ) from None
+    if not callable(obj):
+        raise UserError(f"{path}._target_={target} is not callable: point it at a class or function")
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let instantiate decide
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    for key in node:
+        if key not in _HYDRA_KEYS and key not in sig.parameters:
+            accepted = ", ".join(n for n in sig.parameters if n != "self")
+            raise UserError(f"{path}.{key} is not a parameter of {target} (it takes: {accepted}): "
+                            f"fix the name or remove it with ~{path}.{key}")

@@ -1,0 +1,16 @@
+"""Launchers by name: `launcher.name` in the config picks the class."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from dtf.launch.base import Launcher
+from dtf.launch.local import LocalLauncher
+
+REGISTRY: dict[str, type[Launcher]] = {
+    "local": LocalLauncher,
+}
+
+
+def build(cfg: DictConfig) -> Launcher:
+    return REGISTRY[cfg.name](cfg)

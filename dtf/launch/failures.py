@@ -1,0 +1,39 @@
+"""Turns a failed rank (as torch elastic reports it) into the one line a user reads."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+
+from dtf.errors import UserError
+
+# A rank that hit a UserError exits with this code after recording the message, without a traceback.
+EXIT_USER_ERROR = 2
+
+
+def record_user_error(e: UserError) -> None:
+    """Called in a rank: hand the message to the agent through torch elastic's error file."""
+    get_error_handler().record_exception(e)
+
+
+def _message_and_stack(message: Any) -> tuple[str, str]:
+    if isinstance(message, dict):
+        return str(message.get("message", "")), str(message.get("extraInfo", {}).get("py_callstack", ""))
+    return str(message), ""
+
+
+def describe_failure(e: ChildFailedError, run_dir: str) -> str:
+    rank, failure = e.get_first_failure()
+    text, stack = _message_and_stack(failure.message)
+    prefix = f"{UserError.__name__}: "
+    if text.startswith(prefix):
+        return f"{text[len(prefix):]} (rank {rank})"
+    if stack and rank != 0:
+        # Rank 0 printed its own traceback to the terminal; the others' went to their log files.
+        sys.stderr.write(f"--- traceback of rank {rank} ---\n{stack.rstrip()}\n")
+    if failure.exitcode < 0:
+        text = text or f"killed by signal {-failure.exitcode}"
+    reason = text or f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {reason} (exit code {failure.exitcode}; rank logs in {run_dir}/logs)"

@@ -1,0 +1,64 @@
+"""The one protocol the Trainer talks to, whatever distributes the model."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.optim import Optimizer
+
+from dtf.dist.env import DistEnv
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+class Strategy(ABC):
+    name: str
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
+        """Move and wrap the model for this strategy, then build the optimizer over what each rank holds."""
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient synchronisation (the micro-batches of an accumulation window but the last)."""
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
+        """Bytes this rank holds for parameters + gradients + optimizer state."""
+        return (
+            sum(_local_bytes(p) for p in model.parameters())
+            + sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            + sum(_local_bytes(t) for t in _tensors(optimizer.state_dict()["state"]))
+        )
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+    return local.numel() * local.element_size()
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)

@@ -1,0 +1,48 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are averaged."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import Optimizer
+
+from dtf.dist.env import DistEnv
+from dtf.strategy.base import OptimizerFactory, Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def _wrap(self, module: nn.Module, env: DistEnv) -> nn.Module:
+        module = module.to(env.device)
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # DDP refuses modules without trainable parameters
+        return DDP(
+            module,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            find_unused_parameters=self.cfg.find_unused_parameters,
+            forward_sync_buffers=self.cfg.forward_sync_buffers,
+            gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
+            static_graph=self.cfg.static_graph,
+            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
+        )
+
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
+        # Several modules (a ModuleDict, as in a GAN) are wrapped one by one, as Maggy did,
+        # so a step function can call each through its own DDP wrapper.
+        if isinstance(model, nn.ModuleDict):
+            wrapped: nn.Module = nn.ModuleDict({k: self._wrap(m, env) for k, m in model.items()})
+        else:
+            wrapped = self._wrap(model, env)
+        return wrapped, optimizer_factory(wrapped.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        modules = model.values() if isinstance(model, nn.ModuleDict) else [model]
+        for m in modules:
+            if isinstance(m, DDP):
+                stack.enter_context(m.no_sync())
+        return stack

@@ -1,0 +1,256 @@
+"""The generic training loop: the same on every rank, whatever launched it or distributes it."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from dtf.data.even import batch_size_of, take_first
+from dtf.data.loader import EvalData, TrainData
+from dtf.dist.env import DistEnv
+from dtf.strategy.base import Strategy
+from dtf.train.logging import Progress, TensorBoard
+from dtf.train.metrics import MeanMetric
+
+StepFn = Callable[[nn.Module, Any, Callable[..., torch.Tensor]], Any]
+
+
+def supervised_step(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """The default step: batch = (inputs, targets); the loss of model(inputs) against targets."""
+    inputs, targets = batch
+    return loss_fn(model(inputs), targets)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+@dataclass
+class TrainerSettings:
+    """The subset of the `trainer` config the loop reads (plain values, no OmegaConf)."""
+
+    max_epochs: int
+    max_steps: int | None
+    grad_accum_steps: int
+    grad_clip_norm: float | None
+    eval_every_n_epochs: int
+    log_every_n_steps: int
+    progress: str
+    num_warmup_timing_steps: int
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        env: DistEnv,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler | None,
+        loss_fn: Callable[..., torch.Tensor],
+        step_fn: StepFn,
+        train_data: TrainData,
+        eval_data: EvalData | None,
+        tensorboard: TensorBoard,
+    ) -> None:
+        self.s = settings
+        self.env = env
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.step_fn = step_fn
+        self.train_data = train_data
+        self.eval_data = eval_data
+        self.tb = tensorboard
+        self.global_step = 0
+        self.epoch = 0
+        self.step_times: list[float] = []
+        self.train_seconds = 0.0
+        self.samples_seen = 0
+        self.model_state_bytes = 0
+        self.last_train_loss = float("nan")
+        self.last_test_loss: float | None = None
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.train_data) / self.s.grad_accum_steps)
+
+    @property
+    def total_steps(self) -> int:
+        return self.s.max_steps if self.s.max_steps is not None else self.s.max_epochs * self.steps_per_epoch
+
+    # -- the loop --------------------------------------------------------------------------
+    def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        out = self.step_fn(self.model, batch, self.loss_fn)
+        if isinstance(out, tuple):
+            loss, count = out
+            return loss, int(count)
+        return out, batch_size_of(batch)
+
+    def _sync_time(self) -> float:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)  # step times must include the queued GPU work
+        return time.perf_counter()
+
+    def fit(self) -> None:
+        progress = Progress(self.s.progress, self.total_steps, enabled=self.env.is_main)
+        train_loss = MeanMetric(self.env.device)
+        accum = self.s.grad_accum_steps
+        num_batches = len(self.train_data)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            while self.global_step < self.total_steps:
+                self.train_data.set_epoch(self.epoch)
+                self.model.train()
+                train_loss.reset()
+                t_epoch = t_last = self._sync_time()
+                for i, batch in enumerate(self.train_data):
+                    batch = to_device(batch, self.env.device)
+                    window_start = (i // accum) * accum
+                    window = min(accum, num_batches - window_start)  # the last window of an epoch may be short
+                    last_in_window = i == window_start + window - 1
+                    # Gradients are synchronised once per window: on its last micro-batch.
+                    sync = contextlib.nullcontext() if last_in_window else self.strategy.no_sync(self.model)
+                    with sync:
+                        loss, count = self._forward_loss(batch)
+                        (loss / window).backward()
+                    train_loss.update(loss, count)
+                    self.samples_seen += count
+                    if not last_in_window:
+                        continue
+                    self._optimizer_step()
+                    now = self._sync_time()
+                    self.step_times.append(now - t_last)
+                    t_last = now
+                    if self.global_step % self.s.log_every_n_steps == 0 or self.global_step == self.total_steps:
+                        self._log_step(progress, train_loss, now - t_epoch)
+                    if self.global_step >= self.total_steps:
+                        break
+                self.train_seconds += t_last - t_epoch
+                self.epoch += 1
+                self.last_train_loss = train_loss.compute()
+                line = f"epoch {self.epoch}: train loss {self.last_train_loss:.6g}"
+                epoch_metrics = {"train/epoch_loss": self.last_train_loss}
+                done = self.global_step >= self.total_steps
+                if self.eval_data is not None and (done or self.epoch % self.s.eval_every_n_epochs == 0):
+                    self.last_test_loss = self.evaluate()
+                    line += f", test loss {self.last_test_loss:.6g}"
+                    epoch_metrics["test/loss"] = self.last_test_loss
+                progress.write(line + " (all ranks)")
+                self.tb.scalars(self.global_step, epoch_metrics)
+        finally:
+            progress.close()
+
+    def _optimizer_step(self) -> None:
+        if self.s.grad_clip_norm is not None:
+            self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
+        self.optimizer.step()
+        if self.global_step == 0:
+            # Measured once, when parameters, gradients and optimizer state all exist.
+            self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.global_step += 1
+
+    def _log_step(self, progress: Progress, train_loss: MeanMetric, epoch_seconds: float) -> None:
+        if not self.env.is_main:
+            return
+        lr = self.optimizer.param_groups[0]["lr"]
+        recent = self.step_times[-self.s.log_every_n_steps :]
+        global_batch = self.samples_seen / max(1, self.global_step) * self.env.world_size
+        rate = global_batch / statistics.median(recent) if recent else float("nan")
+        local_loss = train_loss.local()
+        progress.update(self.global_step, self.epoch + 1, {"loss": local_loss, "lr": lr, "samples/s": round(rate)})
+        self.tb.scalars(self.global_step, {"train/loss_rank0": local_loss, "train/lr": lr, "train/samples_per_sec": rate})
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the test set, every sample counted exactly once across ranks."""
+        assert self.eval_data is not None
+        self.model.eval()
+        metric = MeanMetric(self.env.device)
+        for j, batch in enumerate(self.eval_data):
+            batch = to_device(batch, self.env.device)
+            real = self.eval_data.num_real_in_batch(j)
+            # Padded samples (only ever at the end of a rank's share) are cut off; a batch that is
+            # all padding still runs forward so every rank makes the same collectives.
+            loss, _ = self._forward_loss(take_first(batch, real) if real > 0 else batch)
+            metric.update(loss, real)
+        self.model.train()
+        return metric.compute()
+
+    # -- results ---------------------------------------------------------------------------
+    def params_sha256(self) -> str:
+        """Digest of the full model state (names, dtypes, shapes, values), independent of sharding."""
+        state = self.strategy.full_state_dict(self.model)
+        h = hashlib.sha256()
+        for name in sorted(state):
+            t = state[name].detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    def median_step_time(self) -> float | None:
+        skip = min(self.s.num_warmup_timing_steps, len(self.step_times) // 2)
+        times = self.step_times[skip:]
+        return statistics.median(times) if times else None
+
+    def summary(self, run_dir: Path) -> dict[str, Any] | None:
+        """Gathers per-rank figures (a collective) and returns the run summary on rank 0."""
+        digest = self.params_sha256()
+        local = {"steps": self.global_step, "bytes": self.model_state_bytes, "digest": digest,
+                 "samples": self.samples_seen}
+        gathered: list[Any] = [local]
+        if dist.is_initialized() and self.env.world_size > 1:
+            gathered = [None] * self.env.world_size
+            dist.all_gather_object(gathered, local)
+        if not self.env.is_main:
+            return None
+        total_samples = sum(g["samples"] for g in gathered)
+        digests = {g["digest"] for g in gathered}
+        summary: dict[str, Any] = {
+            "world_size": self.env.world_size,
+            "global_step": self.global_step,
+            "epochs": self.epoch,
+            "steps_per_rank": [g["steps"] for g in gathered],
+            "final_train_loss": self.last_train_loss,
+            "final_test_loss": self.last_test_loss,
+            "samples_per_sec": total_samples / self.train_seconds if self.train_seconds > 0 else None,
+            "step_time_s": self.median_step_time(),
+            "model_state_bytes": [g["bytes"] for g in gathered],
+            "params_sha256": digest,
+            # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
+            "params_sha256_consistent": len(digests) == 1,
+            "samples_seen": total_samples,
+            "train_seconds": self.train_seconds,
+            "lr_final": self.optimizer.param_groups[0]["lr"],
+            "resumed_from_step": None,
+            "run_dir": str(run_dir),
+        }
+        return summary

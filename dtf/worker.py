@@ -1,0 +1,147 @@
+"""What every rank runs: join the group, build model/data/optimizer, train, report.
+
+`worker_main(cfg, run_dir)` takes the config already resolved and frozen on the driver; it
+never looks at sys.argv, so multirun jobs and any launcher can ship it as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from dtf import strategy as strategies
+from dtf.data import loader
+from dtf.dist import env as dist_env
+from dtf.errors import UserError
+from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
+from dtf.train import schedule
+from dtf.train.logging import TensorBoard
+from dtf.train.trainer import Trainer, TrainerSettings, supervised_step
+
+SUMMARY_FILE = "summary.json"
+WEIGHTS_FILE = "model.pt"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def limit_threads() -> None:
+    """Ranks sharing a machine split its cores instead of fighting over them."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def build_model(cfg: DictConfig) -> nn.Module:
+    """One module by _target_, or a mapping of names to module configs (several modules, as in a GAN)."""
+    if "_target_" in cfg:
+        return instantiate(cfg)
+    return nn.ModuleDict({name: instantiate(sub) for name, sub in cfg.items()})
+
+
+def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
+    """Entry point of one rank. Returns the run summary on rank 0, None elsewhere."""
+    for key, value in cfg.launcher.get("env", {}).items():
+        os.environ.setdefault(str(key), str(value))
+    limit_threads()
+    t = cfg.trainer
+    env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
+    try:
+        # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
+        return train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)))
+    finally:
+        dist_env.destroy()
+
+
+def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
+    """worker_main for a process a launcher spawned: a UserError becomes one recorded line and
+    exit code 2 (no traceback), which the launcher reports for the rank."""
+    try:
+        return worker_main(cfg, run_dir)
+    except UserError as e:
+        record_user_error(e)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, Any] | None:
+    t = cfg.trainer
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
+    seed_everything(t.seed)
+    model = build_model(cfg.model)
+    if isinstance(model, nn.ModuleDict) and t.step_fn is None:
+        raise UserError("model builds several modules: set trainer.step_fn._target_ to a function "
+                        "(model, batch, loss_fn) -> loss that calls them")
+    train_data, eval_data = loader.build(cfg.data, env, seed=t.seed)
+    strategy = strategies.build(cfg.strategy)
+    model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
+    # ... and a different stream per rank for what happens during training (dropout, augmentation).
+    seed_everything(t.seed + env.rank)
+
+    scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size)
+    schedule.scale_lr(optimizer, scale)
+    settings = TrainerSettings(
+        max_epochs=t.max_epochs, max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
+        grad_clip_norm=t.grad_clip_norm, eval_every_n_epochs=t.eval_every_n_epochs,
+        log_every_n_steps=t.log_every_n_steps, progress=t.progress,
+        num_warmup_timing_steps=t.num_warmup_timing_steps,
+    )
+    tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
+    scheduler_factory = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    trainer = Trainer(
+        settings, env, strategy, model, optimizer, scheduler=None,
+        loss_fn=instantiate(cfg.loss), step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
+        train_data=train_data, eval_data=eval_data, tensorboard=tb,
+    )
+    start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
+    trainer.scheduler = schedule.build_scheduler(
+        optimizer, scheduler_factory, trainer.total_steps, t.warmup_steps, start_factor
+    )
+    if env.is_main:
+        print(f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
+              f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
+              f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}", flush=True)
+
+    trainer.fit()
+    summary = trainer.summary(run_dir)
+    state = strategy.full_state_dict(trainer.model) if t.export_weights else None
+    if summary is None:
+        return None
+    summary.update(strategy=cfg.strategy.name, launcher=cfg.launcher.name)
+    if state is not None:
+        torch.save(state, run_dir / WEIGHTS_FILE)
+        summary["weights_file"] = WEIGHTS_FILE
+    hparams = {"world_size": env.world_size, "strategy": cfg.strategy.name,
+               "lr": cfg.optimizer.get("lr"), "batch_size": cfg.data.batch_size,
+               "grad_accum_steps": t.grad_accum_steps, "lr_scaling": t.lr_scaling}
+    tb.hparams(hparams, {"final_train_loss": summary["final_train_loss"],
+                         **({"final_test_loss": summary["final_test_loss"]} if eval_data else {})})
+    tb.close()
+    write_summary(run_dir, summary)
+    print(f"dtf: final train loss {summary['final_train_loss']:.6g}"
+          + (f", test loss {summary['final_test_loss']:.6g}" if summary["final_test_loss"] is not None else "")
+          + f" (averaged over {env.world_size} rank(s)); step {summary['step_time_s'] or float('nan'):.3g}s median; "
+          f"summary {run_dir / SUMMARY_FILE}", flush=True)
+    return summary
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Atomically: readers (sweeps, tests) never see half a file."""
+    tmp = run_dir / (SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(tmp, run_dir / SUMMARY_FILE)
+
