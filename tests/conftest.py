@@ -1,0 +1,74 @@
+"""Shared helpers: run `python -m dtf` as a user would, in a temporary run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+# Short collectives in tests: a hang fails in seconds, not in 30 minutes.
+TEST_DEFAULTS = ["trainer.dist_timeout_s=60", "trainer.progress=lines"]
+
+
+@dataclass
+class DtfRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def dtf_env(extra_pythonpath: list[Path] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(p) for p in (extra_pythonpath or [])] + [str(HELPERS)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("RANK", None)  # never inherit a rank from an outer launcher
+    return env
+
+
+def run_dtf(
+    args: list[str],
+    run_dir: Path,
+    *,
+    timeout: float = 240,
+    extra_pythonpath: list[Path] | None = None,
+    multirun: bool = False,
+    prefix: list[str] | None = None,
+) -> DtfRun:
+    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    cmd = (prefix or [sys.executable, "-m", "dtf"]) + (["-m"] if multirun else []) + TEST_DEFAULTS + args
+    cmd.append(f"{dir_key}={run_dir}")
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent, env=dtf_env(extra_pythonpath)
+    )
+    return DtfRun(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+@pytest.fixture
+def dtf(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """dtf(args...) -> DtfRun, in a fresh run directory under tmp_path."""
+    counter = iter(range(1000))
+
+    def _run(*args: str, **kw: Any) -> DtfRun:
+        return run_dtf(list(args), tmp_path / f"run{next(counter)}", **kw)
+
+    return _run
+
+
+# In-process tests import the helper modules the way a user's PYTHONPATH would expose them.
+sys.path.insert(0, str(HELPERS))

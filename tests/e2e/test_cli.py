@@ -1,0 +1,141 @@
+"""`python -m dtf` as a user runs it: the default job, --cfg/--help, multirun, a user's own
+module, bad input, a failing rank, and an external torchrun."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_dtf
+
+SHORT = ["trainer.max_epochs=1", "data.dataset.num_points=2000", "data.dataset.num_test=400"]
+
+
+def test_default_job_trains_and_writes_its_run_dir(dtf) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*SHORT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = run.summary
+    for key in ("world_size", "strategy", "launcher", "global_step", "steps_per_rank", "final_train_loss",
+                "final_test_loss", "samples_per_sec", "step_time_s", "model_state_bytes", "params_sha256",
+                "resumed_from_step"):
+        assert key in s, key
+    assert (s["world_size"], s["strategy"], s["launcher"]) == (2, "ddp", "local")
+    assert s["steps_per_rank"] == [25, 25] and s["global_step"] == 25  # 1600 samples / 2 ranks / 32 per batch
+    assert s["resumed_from_step"] is None and s["params_sha256_consistent"]
+    assert len(s["params_sha256"]) == 64
+    # fp32 Adam under DDP: params + grads + 2 moments = 16 bytes per parameter (+ 4 per step counter)
+    num_params = (2 * 100 + 100) + (100 * 100 + 100) + (100 + 1)
+    assert s["model_state_bytes"] == [16 * num_params + 4 * 6] * 2
+    assert s["step_time_s"] > 0 and s["samples_per_sec"] > 0
+    assert (run.run_dir / ".hydra" / "config.yaml").exists()
+    assert list((run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "final train loss" in run.stdout and "test loss" in run.stdout
+
+
+def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-untyped-def]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = dtf(*SHORT, "trainer.log_every_n_steps=10", "launcher.nproc=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    tags: set[str] = set()
+    for events in (run.run_dir / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"train/loss_rank0", "train/lr", "train/samples_per_sec", "train/epoch_loss", "test/loss"} <= tags
+    assert any(t.startswith("hparam/") for t in tags)
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "dtf", "optimizer.lr=0.5", "--cfg", "job"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "lr: 0.5" in out and "_target_: dtf.models.approximator.Approximator" in out
+
+
+def test_help_lists_groups_and_options() -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "dtf", "--help"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    for line in ("model: approximator, mnist_cnn", "data: digits, fake_images, scalar_field", "strategy: ddp",
+                 "launcher: local"):
+        assert line in out
+
+
+def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
+    run = run_dtf(["optimizer.lr=1e-3,1e-2", *SHORT], tmp_path / "sweep", multirun=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert summaries[0]["final_train_loss"] != summaries[1]["final_train_loss"]
+    lrs = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())["lr_final"] for i in (0, 1)]
+    assert lrs == [pytest.approx(2e-3), pytest.approx(2e-2)]  # each job got its own override (x2 ranks)
+
+
+def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pkg = tmp_path / "userland" / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).parents[1] / "helpers" / "wide.py", pkg / "nets.py")
+    run = dtf("model._target_=mypkg.nets.Wide", *SHORT, extra_pythonpath=[tmp_path / "userland"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    # Wide(in=2, hidden=100 from the default model config, out=1): Linear(2,100) + Linear(100,1)
+    assert run.summary["model_state_bytes"][0] == 16 * (2 * 100 + 100 + 100 + 1) + 4 * 4
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["launcher.nproc=0"], "launcher.nproc"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["data.batch_size=0"], "data.batch_size"),
+        (["model._target_=mypkg.nets.Missing"], "model._target_"),
+    ],
+)
+def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: str) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*args)
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {key}"), run.stderr
+    assert not (run.run_dir / "summary.json").exists()
+
+
+def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-untyped-def]
+    run = dtf("strategy=nope")
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "Could not find 'strategy/nope'" in run.stderr and "\tddp" in run.stderr
+
+
+def test_user_error_inside_a_rank_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    run = dtf("data.dataset._target_=user_models.one_sample")
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "data.dataset has 1 training samples for 2 ranks" in run.stderr
+
+
+def test_a_rank_that_raises_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    run = dtf("model._target_=user_models.FailingModel", "+model.fail_rank=1", "trainer.dist_timeout_s=600")
+    elapsed = time.monotonic() - start
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1"), run.stderr
+    assert elapsed < 60  # start-up + failure detection; the collective timeout (600 s) never matters
+    assert not (run.run_dir / "summary.json").exists()
+
+
+def test_runs_in_place_under_an_external_torchrun(dtf) -> None:  # type: ignore[no-untyped-def]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dtf"]
+    external = dtf(*SHORT, prefix=torchrun)
+    assert external.returncode == 0, external.stderr[-3000:]
+    spawned = dtf(*SHORT)
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    assert external.summary["world_size"] == 2
+    assert external.summary["params_sha256"] == spawned.summary["params_sha256"]

@@ -1,0 +1,28 @@
+"""Run a function on N gloo ranks in child processes (for unit tests of collective code)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dtf.dist.env import free_port
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """fn(rank, world_size, *args) on each rank; an assertion failing on any rank fails the caller."""
+    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)

@@ -1,0 +1,38 @@
+"""Stand-ins for a user's own module outside dtf: models, datasets and step functions that
+tests plug in by _target_ (this folder is put on PYTHONPATH by the tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class FailingModel(nn.Module):
+    """Raises on one rank at its n-th forward: the 'rank that raises' scenario."""
+
+    def __init__(self, fail_rank: int = 1, fail_at_call: int = 3, **unused: object) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.fail_rank = fail_rank
+        self.fail_at_call = fail_at_call
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if int(os.environ.get("RANK", "0")) == self.fail_rank and self.calls == self.fail_at_call:
+            raise RuntimeError(f"injected failure on rank {self.fail_rank}")
+        return self.lin(x)
+
+
+def one_sample(**unused: object) -> TensorDataset:
+    return TensorDataset(torch.zeros(1, 2), torch.zeros(1, 1))
+
+
+
+def encoder_head_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn):  # type: ignore[no-untyped-def]
+    """A step function over several modules (a ModuleDict): what a loss alone cannot express."""
+    x, y = batch
+    return loss_fn(model["head"](model["encoder"](x)), y)
