@@ -49,7 +49,7 @@ def build_model(cfg: DictConfig) -> nn.Module:
     """One module by _target_, or a mapping of names to module configs (several modules, as in a GAN)."""
     if "_target_" in cfg:
         return instantiate(cfg)
-    return nn.ModuleDict({name: instantiate(sub) for name, sub in cfg.items()})
+    return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
 
 
 def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
@@ -84,8 +84,10 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
     seed_everything(t.seed)
     model = build_model(cfg.model)
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
-        raise UserError("model builds several modules: set trainer.step_fn._target_ to a function "
-                        "(model, batch, loss_fn) -> loss that calls them")
+        raise UserError(
+            "model builds several modules: set trainer.step_fn._target_ to a function "
+            "(model, batch, loss_fn) -> loss that calls them"
+        )
     train_data, eval_data = loader.build(cfg.data, env, seed=t.seed)
     strategy = strategies.build(cfg.strategy)
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
@@ -95,26 +97,41 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
     scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size)
     schedule.scale_lr(optimizer, scale)
     settings = TrainerSettings(
-        max_epochs=t.max_epochs, max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
-        grad_clip_norm=t.grad_clip_norm, eval_every_n_epochs=t.eval_every_n_epochs,
-        log_every_n_steps=t.log_every_n_steps, progress=t.progress,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        grad_accum_steps=t.grad_accum_steps,
+        grad_clip_norm=t.grad_clip_norm,
+        eval_every_n_epochs=t.eval_every_n_epochs,
+        log_every_n_steps=t.log_every_n_steps,
+        progress=t.progress,
         num_warmup_timing_steps=t.num_warmup_timing_steps,
     )
     tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
     scheduler_factory = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     trainer = Trainer(
-        settings, env, strategy, model, optimizer, scheduler=None,
-        loss_fn=instantiate(cfg.loss), step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
-        train_data=train_data, eval_data=eval_data, tensorboard=tb,
+        settings,
+        env,
+        strategy,
+        model,
+        optimizer,
+        scheduler=None,
+        loss_fn=instantiate(cfg.loss),
+        step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
+        train_data=train_data,
+        eval_data=eval_data,
+        tensorboard=tb,
     )
     start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
     trainer.scheduler = schedule.build_scheduler(
         optimizer, scheduler_factory, trainer.total_steps, t.warmup_steps, start_factor
     )
     if env.is_main:
-        print(f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
-              f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
-              f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}", flush=True)
+        print(
+            f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
+            f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
+            f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
+            flush=True,
+        )
 
     trainer.fit()
     summary = trainer.summary(run_dir)
@@ -125,17 +142,30 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
     if state is not None:
         torch.save(state, run_dir / WEIGHTS_FILE)
         summary["weights_file"] = WEIGHTS_FILE
-    hparams = {"world_size": env.world_size, "strategy": cfg.strategy.name,
-               "lr": cfg.optimizer.get("lr"), "batch_size": cfg.data.batch_size,
-               "grad_accum_steps": t.grad_accum_steps, "lr_scaling": t.lr_scaling}
-    tb.hparams(hparams, {"final_train_loss": summary["final_train_loss"],
-                         **({"final_test_loss": summary["final_test_loss"]} if eval_data else {})})
+    hparams = {
+        "world_size": env.world_size,
+        "strategy": cfg.strategy.name,
+        "lr": cfg.optimizer.get("lr"),
+        "batch_size": cfg.data.batch_size,
+        "grad_accum_steps": t.grad_accum_steps,
+        "lr_scaling": t.lr_scaling,
+    }
+    tb.hparams(
+        hparams,
+        {
+            "final_train_loss": summary["final_train_loss"],
+            **({"final_test_loss": summary["final_test_loss"]} if eval_data else {}),
+        },
+    )
     tb.close()
     write_summary(run_dir, summary)
-    print(f"dtf: final train loss {summary['final_train_loss']:.6g}"
-          + (f", test loss {summary['final_test_loss']:.6g}" if summary["final_test_loss"] is not None else "")
-          + f" (averaged over {env.world_size} rank(s)); step {summary['step_time_s'] or float('nan'):.3g}s median; "
-          f"summary {run_dir / SUMMARY_FILE}", flush=True)
+    print(
+        f"dtf: final train loss {summary['final_train_loss']:.6g}"
+        + (f", test loss {summary['final_test_loss']:.6g}" if summary["final_test_loss"] is not None else "")
+        + f" (averaged over {env.world_size} rank(s)); step {summary['step_time_s'] or float('nan'):.3g}s median; "
+        f"summary {run_dir / SUMMARY_FILE}",
+        flush=True,
+    )
     return summary
 
 
@@ -144,4 +174,3 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     tmp = run_dir / (SUMMARY_FILE + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     os.replace(tmp, run_dir / SUMMARY_FILE)
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -34,13 +34,13 @@ class Progress(str, Enum):
 class TrainerConfig:
     max_epochs: int = 10
     # Stop after this many optimizer steps (overrides max_epochs when set).
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     grad_accum_steps: int = 1
-    grad_clip_norm: Optional[float] = None
+    grad_clip_norm: float | None = None
     lr_scaling: LRScaling = LRScaling.linear
     warmup_steps: int = 0
     # null: start the warm-up at the single-rank LR (1/scale); see docs.
-    warmup_start_factor: Optional[float] = None
+    warmup_start_factor: float | None = None
     seed: int = 0
     deterministic: bool = False
     eval_every_n_epochs: int = 1
@@ -67,7 +67,7 @@ class LoaderDataConfig:
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32
     # Defaults to batch_size.
-    eval_batch_size: Optional[int] = None
+    eval_batch_size: int | None = None
     shuffle: bool = True
     drop_last: bool = False
     num_workers: int = 0
@@ -80,7 +80,7 @@ class DDPStrategyConfig:
     find_unused_parameters: bool = False
     # Re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
     forward_sync_buffers: bool = True
-    bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
 

@@ -31,7 +31,12 @@ def validate(cfg: DictConfig) -> None:
     _check_launcher(cfg.launcher)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
-        _require(isinstance(lr, int | float) and lr > 0, "optimizer.lr", lr, "give a positive learning rate, e.g. optimizer.lr=1e-3")
+        _require(
+            isinstance(lr, int | float) and lr > 0,
+            "optimizer.lr",
+            lr,
+            "give a positive learning rate, e.g. optimizer.lr=1e-3",
+        )
     for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):
         node = cfg.get(section)
         if node is not None:
@@ -41,17 +46,35 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_trainer(t: DictConfig) -> None:
     _require(t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "train at least one epoch")
-    _require(t.max_steps is None or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "use a positive number, or null to train max_epochs")
+    _require(
+        t.max_steps is None or t.max_steps >= 1,
+        "trainer.max_steps",
+        t.max_steps,
+        "use a positive number, or null to train max_epochs",
+    )
     _require(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
-    _require(t.grad_clip_norm is None or t.grad_clip_norm > 0, "trainer.grad_clip_norm", t.grad_clip_norm, "use a positive norm, or null for no clipping")
+    _require(
+        t.grad_clip_norm is None or t.grad_clip_norm > 0,
+        "trainer.grad_clip_norm",
+        t.grad_clip_norm,
+        "use a positive norm, or null for no clipping",
+    )
     _require(t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "use 0 (no warm-up) or more")
-    _require(t.warmup_start_factor is None or 0 < t.warmup_start_factor <= 1, "trainer.warmup_start_factor",
-             t.warmup_start_factor, "use a factor in (0, 1], or null for the default")
+    _require(
+        t.warmup_start_factor is None or 0 < t.warmup_start_factor <= 1,
+        "trainer.warmup_start_factor",
+        t.warmup_start_factor,
+        "use a factor in (0, 1], or null for the default",
+    )
     _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "use 1 or more")
     _require(t.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", t.eval_every_n_epochs, "use 1 or more")
     _require(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "use a positive number of seconds")
-    _require(t.num_warmup_timing_steps >= 0, "trainer.num_warmup_timing_steps", t.num_warmup_timing_steps, "use 0 or more")
-    _require(t.dist_backend in _BACKENDS, "trainer.dist_backend", t.dist_backend, f"choose one of {', '.join(_BACKENDS)}")
+    _require(
+        t.num_warmup_timing_steps >= 0, "trainer.num_warmup_timing_steps", t.num_warmup_timing_steps, "use 0 or more"
+    )
+    _require(
+        t.dist_backend in _BACKENDS, "trainer.dist_backend", t.dist_backend, f"choose one of {', '.join(_BACKENDS)}"
+    )
     device = str(t.device)
     _require(device in ("auto", "cpu", "cuda"), "trainer.device", device, "choose auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -64,16 +87,25 @@ def _check_data(d: DictConfig) -> None:
     if "batch_size" in d:
         _require(d.batch_size >= 1, "data.batch_size", d.batch_size, "use a per-rank batch size of 1 or more")
     if d.get("eval_batch_size") is not None:
-        _require(d.eval_batch_size >= 1, "data.eval_batch_size", d.eval_batch_size, "use 1 or more, or null for data.batch_size")
+        _require(
+            d.eval_batch_size >= 1,
+            "data.eval_batch_size",
+            d.eval_batch_size,
+            "use 1 or more, or null for data.batch_size",
+        )
     if "num_workers" in d:
         _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the rank) or more")
 
 
 def _check_launcher(launcher: DictConfig) -> None:
     if "nproc" in launcher:
-        _require(launcher.nproc >= 1, "launcher.nproc", launcher.nproc, "start at least one rank, e.g. launcher.nproc=2")
+        _require(
+            launcher.nproc >= 1, "launcher.nproc", launcher.nproc, "start at least one rank, e.g. launcher.nproc=2"
+        )
     if "max_restarts" in launcher:
-        _require(launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more")
+        _require(
+            launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more"
+        )
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
@@ -83,14 +115,14 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
             yield path, node
         for key in node:
             if key not in _HYDRA_KEYS:
-                yield from _targets(node._get_node(key), f"{path}.{key}")
+                yield from _targets(node._get_node(key), f"{path}.{key!s}")
     elif isinstance(node, ListConfig):
         for i, item in enumerate(node):
             yield from _targets(item, f"{path}[{i}]")
 
 
 def _check_target(path: str, node: DictConfig) -> None:
-    target = node._target_
+    target = str(node._target_)
     try:
         obj = _locate(str(target))
     except Exception as e:  # _locate raises ImportError with the real cause chained
@@ -107,8 +139,10 @@ def _check_target(path: str, node: DictConfig) -> None:
         return  # builtins without a signature: let instantiate decide
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
-    for key in node:
+    for key in map(str, node):
         if key not in _HYDRA_KEYS and key not in sig.parameters:
             accepted = ", ".join(n for n in sig.parameters if n != "self")
-            raise UserError(f"{path}.{key} is not a parameter of {target} (it takes: {accepted}): "
-                            f"fix the name or remove it with ~{path}.{key}")
+            raise UserError(
+                f"{path}.{key} is not a parameter of {target} (it takes: {accepted}): "
+                f"fix the name or remove it with ~{path}.{key}"
+            )

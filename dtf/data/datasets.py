@@ -40,7 +40,7 @@ def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 1234) -
     images = (images - 0.1307) / 0.3081  # MNIST's normalisation, as in Horovod's example
     labels = torch.tensor(bunch.target, dtype=torch.long)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    n_test = max(1, int(round(len(labels) * test_fraction)))
+    n_test = max(1, round(len(labels) * test_fraction))
     test_idx, train_idx = perm[:n_test], perm[n_test:]
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[test_idx], labels[test_idx])
 

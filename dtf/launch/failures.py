@@ -29,7 +29,7 @@ def describe_failure(e: ChildFailedError, run_dir: str) -> str:
     text, stack = _message_and_stack(failure.message)
     prefix = f"{UserError.__name__}: "
     if text.startswith(prefix):
-        return f"{text[len(prefix):]} (rank {rank})"
+        return f"{text[len(prefix) :]} (rank {rank})"
     if stack and rank != 0:
         # Rank 0 printed its own traceback to the terminal; the others' went to their log files.
         sys.stderr.write(f"--- traceback of rank {rank} ---\n{stack.rstrip()}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +34,8 @@ class Strategy(ABC):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return cast(dict[str, torch.Tensor], state)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)

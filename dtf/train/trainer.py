@@ -187,7 +187,9 @@ class Trainer:
         rate = global_batch / statistics.median(recent) if recent else float("nan")
         local_loss = train_loss.local()
         progress.update(self.global_step, self.epoch + 1, {"loss": local_loss, "lr": lr, "samples/s": round(rate)})
-        self.tb.scalars(self.global_step, {"train/loss_rank0": local_loss, "train/lr": lr, "train/samples_per_sec": rate})
+        self.tb.scalars(
+            self.global_step, {"train/loss_rank0": local_loss, "train/lr": lr, "train/samples_per_sec": rate}
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -224,8 +226,12 @@ class Trainer:
     def summary(self, run_dir: Path) -> dict[str, Any] | None:
         """Gathers per-rank figures (a collective) and returns the run summary on rank 0."""
         digest = self.params_sha256()
-        local = {"steps": self.global_step, "bytes": self.model_state_bytes, "digest": digest,
-                 "samples": self.samples_seen}
+        local = {
+            "steps": self.global_step,
+            "bytes": self.model_state_bytes,
+            "digest": digest,
+            "samples": self.samples_seen,
+        }
         gathered: list[Any] = [local]
         if dist.is_initialized() and self.env.world_size > 1:
             gathered = [None] * self.env.world_size

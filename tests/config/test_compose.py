@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import dtf.cli  # noqa: F401  (registers the schemas and resolvers, as `python -m dtf` does)
+import dtf.cli
 from dtf.config.validate import validate
 from dtf.errors import UserError
 from dtf.worker import build_model
@@ -104,10 +104,10 @@ def test_user_target_swaps_in_without_changing_dtf() -> None:
 @pytest.mark.parametrize(
     ("override", "names"),
     [
-        ("strategy=nope", ["strategy", "ddp"]),                    # unknown option lists the valid ones
-        ("trainer.max_epoch=3", ["max_epoch", "TrainerConfig"]),   # misspelled key of a dtf schema
+        ("strategy=nope", ["strategy", "ddp"]),  # unknown option lists the valid ones
+        ("trainer.max_epoch=3", ["max_epoch", "TrainerConfig"]),  # misspelled key of a dtf schema
         ("trainer.lr_scaling=cubic", ["none", "linear", "sqrt"]),  # wrong enum value lists the choices
-        ("launcher.nproc=two", ["launcher.nproc"]),                # wrong type
+        ("launcher.nproc=two", ["launcher.nproc"]),  # wrong type
     ],
 )
 def test_composition_errors_name_the_key(override: str, names: list[str]) -> None:

@@ -19,9 +19,20 @@ def test_default_job_trains_and_writes_its_run_dir(dtf) -> None:  # type: ignore
     run = dtf(*SHORT)
     assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
-    for key in ("world_size", "strategy", "launcher", "global_step", "steps_per_rank", "final_train_loss",
-                "final_test_loss", "samples_per_sec", "step_time_s", "model_state_bytes", "params_sha256",
-                "resumed_from_step"):
+    for key in (
+        "world_size",
+        "strategy",
+        "launcher",
+        "global_step",
+        "steps_per_rank",
+        "final_train_loss",
+        "final_test_loss",
+        "samples_per_sec",
+        "step_time_s",
+        "model_state_bytes",
+        "params_sha256",
+        "resumed_from_step",
+    ):
         assert key in s, key
     assert (s["world_size"], s["strategy"], s["launcher"]) == (2, "ddp", "local")
     assert s["steps_per_rank"] == [25, 25] and s["global_step"] == 25  # 1600 samples / 2 ranks / 32 per batch
@@ -53,18 +64,28 @@ def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-u
 def test_cfg_job_prints_the_composed_config() -> None:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "dtf", "optimizer.lr=0.5", "--cfg", "job"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dtf", "optimizer.lr=0.5", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert "lr: 0.5" in out and "_target_: dtf.models.approximator.Approximator" in out
 
 
 def test_help_lists_groups_and_options() -> None:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "dtf", "--help"], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
-    for line in ("model: approximator, mnist_cnn", "data: digits, fake_images, scalar_field", "strategy: ddp",
-                 "launcher: local"):
+    out = subprocess.run(
+        [sys.executable, "-m", "dtf", "--help"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    for line in (
+        "model: approximator, mnist_cnn",
+        "data: digits, fake_images, scalar_field",
+        "strategy: ddp",
+        "launcher: local",
+    ):
         assert line in out
 
 

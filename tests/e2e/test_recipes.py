@@ -15,16 +15,26 @@ def test_mnist_cnn_learns_the_real_digits(dtf) -> None:  # type: ignore[no-untyp
 
 
 def test_fake_images_throughput_run(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("model=mnist_cnn", "data=fake_images", "loss=nll", "data.dataset.num_samples=512",
-              "data.dataset.num_test=64", "trainer.max_epochs=1")
+    run = dtf(
+        "model=mnist_cnn",
+        "data=fake_images",
+        "loss=nll",
+        "data.dataset.num_samples=512",
+        "data.dataset.num_test=64",
+        "trainer.max_epochs=1",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary["global_step"] == 4 and run.summary["samples_per_sec"] > 0
 
 
 def test_several_modules_with_a_user_step_function(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf(f"hydra.searchpath=[file://{HELPERS / 'user_conf'}]", "model=two_tower",
-              "+trainer.step_fn._target_=user_models.encoder_head_step", "+trainer.step_fn._partial_=true",
-              "trainer.max_epochs=3")
+    run = dtf(
+        f"hydra.searchpath=[file://{HELPERS / 'user_conf'}]",
+        "model=two_tower",
+        "+trainer.step_fn._target_=user_models.encoder_head_step",
+        "+trainer.step_fn._partial_=true",
+        "trainer.max_epochs=3",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s["params_sha256_consistent"]

@@ -31,7 +31,6 @@ def one_sample(**unused: object) -> TensorDataset:
     return TensorDataset(torch.zeros(1, 2), torch.zeros(1, 1))
 
 
-
 def encoder_head_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn):  # type: ignore[no-untyped-def]
     """A step function over several modules (a ModuleDict): what a loss alone cannot express."""
     x, y = batch

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -23,24 +24,27 @@ def test_lr_scale_factors() -> None:
 def test_warmup_ramps_from_single_rank_lr_to_scaled_lr() -> None:
     opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     scale_lr(opt, 4.0)
-    sched = build_scheduler(opt, None, total_steps=100, warmup_steps=4,
-                            warmup_start_factor=default_warmup_start_factor(4.0, 4))
+    sched = build_scheduler(
+        opt, None, total_steps=100, warmup_steps=4, warmup_start_factor=default_warmup_start_factor(4.0, 4)
+    )
     lrs = []
     for _ in range(6):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()  # type: ignore[union-attr]
     assert lrs[0] == pytest.approx(0.1) and lrs[4] == pytest.approx(0.4) and lrs[5] == pytest.approx(0.4)
-    assert all(a < b for a, b in zip(lrs[:4], lrs[1:5]))
+    assert all(a < b for a, b in itertools.pairwise(lrs[:5]))
 
 
 def test_user_scheduler_receives_total_steps_after_warmup() -> None:
-    from dtf.train.schedule import cosine_over_run
     from functools import partial
 
+    from dtf.train.schedule import cosine_over_run
+
     opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
-    sched = build_scheduler(opt, partial(cosine_over_run, eta_min=0.0), total_steps=20, warmup_steps=0,
-                            warmup_start_factor=1.0)
+    sched = build_scheduler(
+        opt, partial(cosine_over_run, eta_min=0.0), total_steps=20, warmup_steps=0, warmup_start_factor=1.0
+    )
     for _ in range(20):
         opt.step()
         sched.step()  # type: ignore[union-attr]
@@ -84,5 +88,3 @@ def _model_dict_check(rank: int, world: int) -> None:
 
 def test_model_dict_is_wrapped_per_module() -> None:
     run_on_ranks(_model_dict_check, 2)
-
-

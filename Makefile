@@ -1,0 +1,33 @@
+# Two commands set up a fresh machine (each creates .venv on first use):
+#   make run    the main job: python -m dtf on its default config (add ARGS="key=value ...")
+#   make test   lint + the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test lint bench clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m dtf $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check dtf tests benchmarks
+	$(BIN)/ruff format --check dtf tests benchmarks
+	$(BIN)/mypy dtf
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,85 @@
+"""dtf's per-step overhead against a plain hand-written PyTorch DDP loop, measured in one run.
+
+    .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 10] [--nproc 2]
+
+Both train the default job (scalar-field MLP, Adam, per-rank batch 32, linear LR scaling,
+gloo on CPU) with the same seed, alternating raw, dtf, raw, dtf, ... so that machine load
+hits both alike. Each run reports its median optimizer-step wall time (warm-up excluded);
+the table gives the median over repeats and the ratio dtf / raw (target: <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
+    out = tmp / f"raw{i}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        str(HERE / "raw_ddp.py"),
+        f"--epochs={args.epochs}",
+        f"--out={out}",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def run_dtf(tmp: Path, i: int, args: argparse.Namespace) -> dict:
+    run_dir = tmp / f"dtf{i}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtf",
+        f"launcher.nproc={args.nproc}",
+        f"trainer.max_epochs={args.epochs}",
+        "trainer.progress=off",
+        f"hydra.run.dir={run_dir}",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--nproc", type=int, default=2)
+    args = p.parse_args()
+    raw, ours = [], []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for i in range(args.repeats):
+            raw.append(run_raw(tmp, i, args))
+            ours.append(run_dtf(tmp, i, args))
+            print(
+                f"repeat {i + 1}/{args.repeats}: raw {raw[-1]['step_time_s'] * 1e3:.3f} ms/step, "
+                f"dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step",
+                flush=True,
+            )
+    raw_med = statistics.median(r["step_time_s"] for r in raw)
+    dtf_med = statistics.median(r["step_time_s"] for r in ours)
+    print()
+    print(f"{'':24}{'raw DDP loop':>14}{'dtf':>14}")
+    print(f"{'median step time (ms)':24}{raw_med * 1e3:>14.3f}{dtf_med * 1e3:>14.3f}")
+    print(f"{'final train loss':24}{raw[-1]['final_train_loss']:>14.6g}{ours[-1]['final_train_loss']:>14.6g}")
+    print(
+        f"ratio dtf / raw (median step time): {dtf_med / raw_med:.3f}   "
+        f"[{args.repeats} alternating repeats, {args.nproc} ranks, {args.epochs} epochs each]"
+    )
+
+
+if __name__ == "__main__":
+    main()

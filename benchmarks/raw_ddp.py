@@ -1,0 +1,86 @@
+"""The hand-written PyTorch DDP loop a user would otherwise write (Horovod's 8 steps, minus
+checkpointing): the baseline of benchmarks/overhead.py. Run it under torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/raw_ddp.py --out /tmp/raw.json
+
+It trains the same model on the same data with the same seed, batch size and LR as dtf's
+default run, and times every optimizer step the way dtf does (wall time between step ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dtf.data.datasets import scalar_field
+from dtf.models.approximator import Approximator
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = DDP(Approximator())
+    train, test = scalar_field()
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr * world)  # linear LR scaling
+    loss_fn = torch.nn.MSELoss()
+    times: list[float] = []
+    train_seconds = 0.0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        total = torch.zeros(2, dtype=torch.float64)
+        t_epoch = t_last = time.perf_counter()
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
+            now = time.perf_counter()
+            times.append(now - t_last)
+            t_last = now
+        train_seconds += t_last - t_epoch
+        dist.all_reduce(total)
+        with torch.no_grad():  # every rank evaluates the whole test set: simple, and what many loops do
+            x, y = test[:]
+            test_loss = loss_fn(model.module(x), y).item()
+        if rank == 0:
+            print(
+                f"epoch {epoch + 1}: train loss {total[0].item() / total[1].item():.6g} test loss {test_loss:.6g}",
+                flush=True,
+            )
+    if rank == 0:
+        result = {
+            "step_time_s": statistics.median(times[args.skip :]),
+            "final_train_loss": (total[0] / total[1]).item(),
+            "final_test_loss": test_loss,
+            "train_seconds": train_seconds,
+            "num_steps": len(times),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
