@@ -59,11 +59,12 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
     limit_threads()
     t = cfg.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
-    try:
-        # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
-        return train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)))
-    finally:
-        dist_env.destroy()
+    # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
+    summary = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)))
+    # Only on success: after an error the group must stay up until the error is recorded, or the
+    # peers see "connection closed" first and the report blames the wrong rank.
+    dist_env.destroy()
+    return summary
 
 
 def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:

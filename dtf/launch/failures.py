@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
 
 from dtf.errors import UserError
 
@@ -24,8 +25,24 @@ def _message_and_stack(message: Any) -> tuple[str, str]:
     return str(message), ""
 
 
+def _root_cause(e: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that came first. Elastic's own pick compares whole-second timestamps, so a
+    peer that died of the first rank's crash ("connection closed by peer") ties with it; the
+    error files' modification times (ns) order them. A rank killed by a signal writes no error
+    file and counts as first: its peers' errors are the consequence."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
+        _, failure = item
+        try:
+            return (1, os.stat(failure.error_file).st_mtime_ns)
+        except OSError:
+            return (0 if failure.exitcode < 0 else 2, 0)
+
+    return min(e.failures.items(), key=order)
+
+
 def describe_failure(e: ChildFailedError, run_dir: str) -> str:
-    rank, failure = e.get_first_failure()
+    rank, failure = _root_cause(e)
     text, stack = _message_and_stack(failure.message)
     prefix = f"{UserError.__name__}: "
     if text.startswith(prefix):

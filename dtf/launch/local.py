@@ -8,6 +8,7 @@ at once, so a failed rank never leaves the others hanging in a collective.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ class LocalLauncher(Launcher):
         )
         # The agent logs every failure with a long traceback of its own; dtf reports the failed
         # rank in one line instead (and the rank's own traceback where it has one).
+        # With the rendezvous store shared with the ranks (torch's default), keys the ranks of a failed
+        # attempt wrote (their gloo addresses) survive into the restart, whose rank 0 then dials the
+        # dead peer ("Connection refused"; pytorch#135712, #167288). Each attempt gets its own store instead.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         try:
             results = elastic_launch(config, fn)(cfg, run_dir)

@@ -94,7 +94,10 @@ def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
+    # two jobs and nothing else: no rank started a sweep of its own by re-parsing the command line
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "1", "multirun.yaml"]
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["world_size"] for s in summaries] == [2, 2]
     assert summaries[0]["final_train_loss"] != summaries[1]["final_train_loss"]
     lrs = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())["lr_final"] for i in (0, 1)]
     assert lrs == [pytest.approx(2e-3), pytest.approx(2e-2)]  # each job got its own override (x2 ranks)
@@ -150,6 +153,24 @@ def test_a_rank_that_raises_fails_the_run_within_seconds(dtf) -> None:  # type: 
     assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1"), run.stderr
     assert elapsed < 60  # start-up + failure detection; the collective timeout (600 s) never matters
     assert not (run.run_dir / "summary.json").exists()
+
+
+def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    run = dtf("model._target_=user_models.FailingModel", "+model.how=kill", "trainer.dist_timeout_s=600")
+    assert run.returncode == 1
+    assert "rank 1 failed" in run.stderr and "SIGKILL" in run.stderr, run.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_max_restarts_restarts_the_ranks_and_the_run_finishes(dtf) -> None:  # type: ignore[no-untyped-def]
+    model = ["model._target_=user_models.FailingModel", "+model.first_attempt_only=true", *SHORT]
+    restarted = dtf(*model, "launcher.max_restarts=1")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    # the restarted attempt trains from the start: same seed, same batches, same result
+    clean = dtf(*model, "+model.fail_rank=-1")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert restarted.summary["params_sha256"] == clean.summary["params_sha256"]
 
 
 def test_runs_in_place_under_an_external_torchrun(dtf) -> None:  # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ tests plug in by _target_ (this folder is put on PYTHONPATH by the tests)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from torch import nn
@@ -11,18 +12,30 @@ from torch.utils.data import TensorDataset
 
 
 class FailingModel(nn.Module):
-    """Raises on one rank at its n-th forward: the 'rank that raises' scenario."""
+    """Fails on one rank at its n-th forward: raises, or dies of SIGKILL (how = "raise" | "kill").
+    With first_attempt_only, only the first attempt fails (a restarted run goes through)."""
 
-    def __init__(self, fail_rank: int = 1, fail_at_call: int = 3, **unused: object) -> None:
+    def __init__(
+        self,
+        fail_rank: int = 1,
+        fail_at_call: int = 3,
+        how: str = "raise",
+        first_attempt_only: bool = False,
+        **unused: object,
+    ) -> None:
         super().__init__()
         self.lin = nn.Linear(2, 1)
-        self.fail_rank = fail_rank
-        self.fail_at_call = fail_at_call
+        self.fail_rank, self.fail_at_call, self.how = fail_rank, fail_at_call, how
+        self.first_attempt_only = first_attempt_only
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if int(os.environ.get("RANK", "0")) == self.fail_rank and self.calls == self.fail_at_call:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        armed = not self.first_attempt_only or attempt == 0
+        if armed and int(os.environ.get("RANK", "0")) == self.fail_rank and self.calls == self.fail_at_call:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {self.fail_rank}")
         return self.lin(x)
 
