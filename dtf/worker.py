@@ -83,14 +83,14 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         torch.use_deterministic_algorithms(True)
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(t.seed)
-    model = build_model(cfg.model)
+    strategy = strategies.build(cfg.strategy)
+    model = strategy.build_model(lambda: build_model(cfg.model))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
             "model builds several modules: set trainer.step_fn._target_ to a function "
             "(model, batch, loss_fn) -> loss that calls them"
         )
     train_data, eval_data = loader.build(cfg.data, env, seed=t.seed)
-    strategy = strategies.build(cfg.strategy)
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)

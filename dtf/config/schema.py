@@ -86,6 +86,48 @@ class DDPStrategyConfig:
 
 
 @dataclass
+class FSDPStrategyConfig:
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over all ranks."""
+
+    name: str = "fsdp"
+    # Class names of the modules sharded as one unit each (e.g. [TransformerEncoderLayer]);
+    # null: the children of every nn.Sequential / nn.ModuleList that hold parameters, else
+    # the model's direct children with parameters. The root is always sharded last.
+    block_classes: list[str] | None = None
+    # Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2).
+    reshard_after_forward: bool = True
+    # Mixed precision: dtype of the gathered parameters / of the gradient reduction (bf16, fp16, fp32).
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    # Keep the sharded parameters, gradients and optimizer state in host memory.
+    cpu_offload: bool = False
+    # Recompute each block's activations in backward instead of storing them.
+    activation_checkpointing: bool = False
+    # Build the model on the meta device and materialise only this rank's shards
+    # (initialised by each module's reset_parameters, seeded with seed + rank).
+    meta_init: bool = False
+
+
+@dataclass
+class MicsStrategyConfig(FSDPStrategyConfig):
+    """MiCS / ZeRO-2D: shard inside groups of partition_group_size ranks, replicate across them."""
+
+    name: str = "mics"
+    partition_group_size: int = 2
+
+
+@dataclass
+class ZeroStrategyConfig:
+    """ZeRO by stage: 1 = optimizer state sharded, 2 = + gradients, 3 = + parameters."""
+
+    name: str = "zero"
+    stage: int = 1
+    # Stages 2 and 3 (FSDP2 underneath): see FSDPStrategyConfig.
+    block_classes: list[str] | None = None
+    meta_init: bool = False
+
+
+@dataclass
 class LocalLauncherConfig:
     name: str = "local"
     # Ranks on this machine.

@@ -4,17 +4,20 @@ from hydra.core.config_store import ConfigStore
 
 from dtf.config import schema
 
-# Kept in their own group, so that they do not show up as options of `trainer`, `data`, ...;
-# an option YAML extends one with `- /schema/<group>/<name>@_here_` in its defaults list.
+# Stored outside any group, so that they are not offered as options of `trainer`, `data`, ...
+# (nor listed by --help); an option YAML extends one with `- /<name>@_here_` in its defaults.
 SCHEMAS = {
-    ("schema/trainer", "trainer"): schema.TrainerConfig,
-    ("schema/data", "loader"): schema.LoaderDataConfig,
-    ("schema/strategy", "ddp"): schema.DDPStrategyConfig,
-    ("schema/launcher", "local"): schema.LocalLauncherConfig,
+    "schema_trainer": schema.TrainerConfig,
+    "schema_data_loader": schema.LoaderDataConfig,
+    "schema_strategy_ddp": schema.DDPStrategyConfig,
+    "schema_strategy_zero": schema.ZeroStrategyConfig,
+    "schema_strategy_fsdp": schema.FSDPStrategyConfig,
+    "schema_strategy_mics": schema.MicsStrategyConfig,
+    "schema_launcher_local": schema.LocalLauncherConfig,
 }
 
 
 def register() -> None:
     cs = ConfigStore.instance()
-    for (group, name), node in SCHEMAS.items():
-        cs.store(group=group, name=name, node=node)
+    for name, node in SCHEMAS.items():
+        cs.store(name=name, node=node)

@@ -5,15 +5,21 @@ Every failure is a UserError whose message names the key and says how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from hydra._internal.utils import _locate
-from omegaconf import DictConfig, ListConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dtf.dist import env as dist_env
 from dtf.errors import UserError
+from dtf.strategy.fsdp import DTYPES, find_blocks
 
 # Keys Hydra's instantiate consumes itself; everything else is passed to the target.
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
@@ -26,9 +32,12 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
+    for section in ("trainer", "data", "strategy", "launcher"):
+        _check_known_keys(cfg[section], section)
     _check_trainer(cfg.trainer)
     _check_data(cfg.data)
     _check_launcher(cfg.launcher)
+    _check_strategy(cfg)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         _require(
@@ -42,6 +51,19 @@ def validate(cfg: DictConfig) -> None:
         if node is not None:
             for path, target_node in _targets(node, section):
                 _check_target(path, target_node)
+
+
+def _check_known_keys(node: DictConfig, section: str) -> None:
+    """Hydra lets `+section.key=...` add a key to a schema'd node; dtf would silently ignore it."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key in map(str, node):
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"did you mean {section}.{close[0]}?" if close else f"its keys: {', '.join(sorted(fields))}"
+            raise UserError(f"{section}.{key} is not a setting of dtf's {section} ({hint}); remove +{section}.{key}")
 
 
 def _check_trainer(t: DictConfig) -> None:
@@ -106,6 +128,48 @@ def _check_launcher(launcher: DictConfig) -> None:
         _require(
             launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more"
         )
+
+
+def expected_world_size(cfg: DictConfig) -> int | None:
+    """The number of ranks the launcher will start, when the driver can know it."""
+    if dist_env.launched_externally():
+        return int(os.environ["WORLD_SIZE"])
+    nproc = cfg.launcher.get("nproc")
+    return None if nproc is None else int(nproc) * int(cfg.launcher.get("nodes", 1))
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    s = cfg.strategy
+    if s.name == "zero":
+        _require(
+            s.stage in (1, 2, 3),
+            "strategy.stage",
+            s.stage,
+            "choose 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)",
+        )
+    for key in ("param_dtype", "reduce_dtype"):
+        value = s.get(key)
+        _require(
+            value is None or value in DTYPES, f"strategy.{key}", value, f"choose one of {', '.join(DTYPES)} or null"
+        )
+    if s.name == "mics":
+        group = s.partition_group_size
+        world = expected_world_size(cfg)
+        _require(group >= 1, "strategy.partition_group_size", group, "use 1 (DDP) up to the world size (ZeRO-3)")
+        if world is not None and world % group != 0:
+            valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+            raise UserError(
+                f"strategy.partition_group_size={group} does not divide the world size {world}: use one of {valid}"
+            )
+    if s.get("block_classes"):
+        # Build the model on the meta device (no memory, no init) to check the names now.
+        with torch.device("meta"):
+            try:
+                model = instantiate(cfg.model) if "_target_" in cfg.model else None
+            except Exception:
+                return  # the ranks will report it with its traceback
+        if model is not None:
+            find_blocks(model, list(s.block_classes))
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:

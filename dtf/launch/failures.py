@@ -53,4 +53,5 @@ def describe_failure(e: ChildFailedError, run_dir: str) -> str:
     if failure.exitcode < 0:
         text = text or f"killed by signal {-failure.exitcode}"
     reason = text or f"exit code {failure.exitcode}"
-    return f"rank {rank} failed: {reason} (exit code {failure.exitcode}; rank logs in {run_dir}/logs)"
+    logs = os.path.dirname(failure.error_file) if os.path.isabs(failure.error_file) else f"{run_dir}/logs"
+    return f"rank {rank} failed: {reason} (exit code {failure.exitcode}; its logs: {logs})"

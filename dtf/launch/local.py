@@ -57,6 +57,7 @@ class LocalLauncher(Launcher):
         # dead peer ("Connection refused"; pytorch#135712, #167288). Each attempt gets its own store instead.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         try:
             results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:

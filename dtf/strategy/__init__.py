@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from omegaconf import DictConfig
 
 from dtf.strategy.base import Strategy
 from dtf.strategy.ddp import DDPStrategy
+from dtf.strategy.fsdp import FSDPStrategy
+from dtf.strategy.mics import MicsStrategy
+from dtf.strategy.zero import zero
 
-REGISTRY: dict[str, type[Strategy]] = {
+REGISTRY: dict[str, Callable[[DictConfig], Strategy]] = {
     "ddp": DDPStrategy,
+    "zero": zero,
+    "fsdp": FSDPStrategy,
+    "mics": MicsStrategy,
 }
 
 

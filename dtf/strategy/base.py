@@ -40,13 +40,22 @@ class Strategy(ABC):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
+        """Builds the model where this strategy wants it (strategies with delayed init: on meta)."""
+        return build()
+
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         """Bytes this rank holds for parameters + gradients + optimizer state."""
-        return (
-            sum(_local_bytes(p) for p in model.parameters())
-            + sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-            + sum(_local_bytes(t) for t in _tensors(optimizer.state_dict()["state"]))
-        )
+        return parameter_and_grad_bytes(model) + local_state_bytes(optimizer)
+
+
+def parameter_and_grad_bytes(model: nn.Module) -> int:
+    params = list(model.parameters())
+    return sum(_local_bytes(p) for p in params) + sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def local_state_bytes(optimizer: Optimizer) -> int:
+    return sum(_local_bytes(t) for t in _tensors(list(optimizer.state.values())))
 
 
 def _local_bytes(t: torch.Tensor) -> int:

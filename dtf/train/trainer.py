@@ -94,6 +94,8 @@ class Trainer:
         self.model_state_bytes = 0
         self.last_train_loss = float("nan")
         self.last_test_loss: float | None = None
+        self.train_loss_curve: list[float] = []  # per epoch, all ranks
+        self.test_loss_curve: list[float] = []
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -154,11 +156,13 @@ class Trainer:
                 self.train_seconds += t_last - t_epoch
                 self.epoch += 1
                 self.last_train_loss = train_loss.compute()
+                self.train_loss_curve.append(self.last_train_loss)
                 line = f"epoch {self.epoch}: train loss {self.last_train_loss:.6g}"
                 epoch_metrics = {"train/epoch_loss": self.last_train_loss}
                 done = self.global_step >= self.total_steps
                 if self.eval_data is not None and (done or self.epoch % self.s.eval_every_n_epochs == 0):
                     self.last_test_loss = self.evaluate()
+                    self.test_loss_curve.append(self.last_test_loss)
                     line += f", test loss {self.last_test_loss:.6g}"
                     epoch_metrics["test/loss"] = self.last_test_loss
                 progress.write(line + " (all ranks)")
@@ -247,6 +251,8 @@ class Trainer:
             "steps_per_rank": [g["steps"] for g in gathered],
             "final_train_loss": self.last_train_loss,
             "final_test_loss": self.last_test_loss,
+            "train_loss_per_epoch": self.train_loss_curve,
+            "test_loss_per_epoch": self.test_loss_curve,
             "samples_per_sec": total_samples / self.train_seconds if self.train_seconds > 0 else None,
             "step_time_s": self.median_step_time(),
             "model_state_bytes": [g["bytes"] for g in gathered],

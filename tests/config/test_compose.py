@@ -34,7 +34,7 @@ def test_every_model_builds_and_runs_forward(name: str) -> None:
     cfg = make(f"model={name}")
     validate(cfg)
     model = build_model(cfg.model)
-    x = torch.randn(3, 2) if name == "approximator" else torch.randn(3, 1, 28, 28)
+    x = torch.randn(3, 1, 28, 28) if name == "mnist_cnn" else torch.randn(3, 2)
     assert model(x).shape[0] == 3
 
 
@@ -119,22 +119,38 @@ def test_composition_errors_name_the_key(override: str, names: list[str]) -> Non
 
 
 @pytest.mark.parametrize(
-    ("override", "key"),
+    ("overrides", "key"),
     [
-        ("launcher.nproc=0", "launcher.nproc"),
-        ("optimizer.lr=-1", "optimizer.lr"),
-        ("data.batch_size=0", "data.batch_size"),
-        ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps"),
-        ("trainer.max_steps=0", "trainer.max_steps"),
-        ("trainer.grad_clip_norm=-1", "trainer.grad_clip_norm"),
-        ("trainer.dist_backend=mpii", "trainer.dist_backend"),
-        ("model._target_=no_such_pkg.Net", "model._target_"),
-        ("+optimizer.lrr=1", "optimizer.lrr"),
-        ("loss._target_=torch.nn.NoSuchLoss", "loss._target_"),
+        (["launcher.nproc=0"], "launcher.nproc"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["data.batch_size=0"], "data.batch_size"),
+        (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps"),
+        (["trainer.max_steps=0"], "trainer.max_steps"),
+        (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
+        (["trainer.dist_backend=mpii"], "trainer.dist_backend"),
+        (["model._target_=no_such_pkg.Net"], "model._target_"),
+        (["+optimizer.lrr=1"], "optimizer.lrr"),
+        (["loss._target_=torch.nn.NoSuchLoss"], "loss._target_"),
+        (["+trainer.max_epoch=3"], "trainer.max_epoch"),  # `+` would otherwise add an ignored key
+        (["strategy=zero", "strategy.stage=4"], "strategy.stage"),
+        (["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"], "strategy.partition_group_size"),
+        (["strategy=fsdp", "strategy.block_classes=[NoSuchBlock]"], "strategy.block_classes"),
+        (["strategy=fsdp", "strategy.param_dtype=bf17"], "strategy.param_dtype"),
     ],
 )
-def test_validation_errors_name_the_key_and_the_fix(override: str, key: str) -> None:
+def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
     with pytest.raises(UserError) as err:
-        validate(make(override))
+        validate(make(*overrides))
     message = str(err.value)
     assert message.startswith(key) and "\n" not in message
+
+
+def test_partition_size_error_lists_the_valid_sizes() -> None:
+    with pytest.raises(UserError, match=r"does not divide the world size 4: use one of 1, 2, 4"):
+        validate(make("strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"))
+
+
+def test_block_class_error_lists_the_model_classes() -> None:
+    with pytest.raises(UserError, match=r"no module of class NoSuchBlock in the model; its classes are: .*Conv2d"):
+        validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[NoSuchBlock]"))
+    validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[Conv2d,Linear]"))

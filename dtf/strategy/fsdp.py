@@ -1,0 +1,121 @@
+"""FSDP2: every block, then the root, sharded with torch.distributed.fsdp.fully_shard."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.optim import Optimizer
+
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+from dtf.strategy.base import OptimizerFactory, Strategy
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
+    """The modules sharded as units of their own (never the root), outermost first."""
+    if class_names:
+        blocks = [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in class_names if n not in present]
+        if missing:
+            raise UserError(
+                f"strategy.block_classes: no module of class {', '.join(missing)} in the model; "
+                f"its classes are: {', '.join(sorted(present))}"
+            )
+        return blocks
+    containers = [m for m in model.modules() if isinstance(m, nn.Sequential | nn.ModuleList)]
+    candidates = [c for container in containers for c in container.children()] or list(model.children())
+    return [m for m in candidates if any(True for _ in m.parameters())]
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def mesh(self, env: DistEnv) -> DeviceMesh:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
+
+    def build_model(self, build: Any) -> nn.Module:
+        if self.cfg.get("meta_init", False):
+            with torch.device("meta"):
+                return build()
+        return build()
+
+    def _shard_kwargs(self, env: DistEnv) -> dict[str, Any]:
+        cfg = self.cfg
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[cfg.param_dtype] if cfg.get("param_dtype") else None,
+            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.get("reduce_dtype") else None,
+        )
+        offload: OffloadPolicy = (
+            CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.get("cpu_offload") else OffloadPolicy()
+        )
+        return {"mesh": self.mesh(env), "mp_policy": mp, "offload_policy": offload}
+
+    def _shard(self, module: nn.Module, env: DistEnv, kwargs: dict[str, Any]) -> nn.Module:
+        blocks = find_blocks(module, self.cfg.get("block_classes"))
+        if self.cfg.get("activation_checkpointing"):
+            from torch.distributed._composable import checkpoint
+
+            for block in blocks:
+                checkpoint(block)
+        reshard = self.cfg.get("reshard_after_forward", True)
+        # Innermost first: a block inside a block must be its own unit before its parent is.
+        for block in reversed(blocks):
+            fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        if any(p.is_meta for p in module.parameters()):
+            self._materialise(module, env)
+        return module
+
+    def _materialise(self, module: nn.Module, env: DistEnv) -> None:
+        """Allocate only the local shards, then let each module initialise its own (sharded) tensors.
+        Seeded with seed + rank so that the shards are not copies of each other."""
+        module.to_empty(device="cpu" if self.cfg.get("cpu_offload") else env.device)
+        torch.manual_seed(torch.initial_seed() + env.rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DTensor's RNG tracker notes that CPU meshes use the local RNG
+            for m in module.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
+        kwargs = self._shard_kwargs(env)
+        if not self.cfg.get("cpu_offload") and not any(p.is_meta for p in model.parameters()):
+            model = model.to(env.device)
+        if isinstance(model, nn.ModuleDict):  # several modules: each is its own root
+            for child in model.values():
+                self._shard(child, env, kwargs)
+        else:
+            self._shard(model, env, kwargs)
+        return model, optimizer_factory(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return _no_gradient_sync(model)
+
+
+def _roots(model: nn.Module) -> list[FSDPModule]:
+    if isinstance(model, FSDPModule):
+        return [model]
+    return [m for m in model.children() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    roots = _roots(model)
+    for root in roots:
+        root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.set_requires_gradient_sync(True)
