@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dtf import strategy as strategies
@@ -107,39 +107,53 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         progress=t.progress,
         num_warmup_timing_steps=t.num_warmup_timing_steps,
     )
+    total_steps = settings.total_steps(len(train_data))
+    start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
+    scheduler = schedule.build_scheduler(
+        optimizer,
+        instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        total_steps,
+        t.warmup_steps,
+        start_factor,
+    )
     tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
-    scheduler_factory = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     trainer = Trainer(
         settings,
         env,
         strategy,
         model,
         optimizer,
-        scheduler=None,
+        scheduler=scheduler,
         loss_fn=instantiate(cfg.loss),
         step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
         train_data=train_data,
         eval_data=eval_data,
         tensorboard=tb,
     )
-    start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
-    trainer.scheduler = schedule.build_scheduler(
-        optimizer, scheduler_factory, trainer.total_steps, t.warmup_steps, start_factor
-    )
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
-            f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
+            f"{loader.describe(train_data)}, {total_steps} optimizer steps, "
             f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
             flush=True,
         )
+        if t.warmup_steps >= total_steps:
+            print(
+                f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {total_steps} optimizer steps: "
+                "the LR never reaches its target",
+                flush=True,
+            )
 
     trainer.fit()
     summary = trainer.summary(run_dir)
     state = strategy.full_state_dict(trainer.model) if t.export_weights else None
     if summary is None:
         return None
-    summary.update(strategy=cfg.strategy.name, launcher=cfg.launcher.name)
+    summary.update(
+        strategy=cfg.strategy.name,
+        strategy_settings=OmegaConf.to_container(cfg.strategy),
+        launcher=cfg.launcher.name,
+    )
     if state is not None:
         torch.save(state, run_dir / WEIGHTS_FILE)
         summary["weights_file"] = WEIGHTS_FILE

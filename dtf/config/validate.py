@@ -141,6 +141,8 @@ def expected_world_size(cfg: DictConfig) -> int | None:
 def _check_strategy(cfg: DictConfig) -> None:
     s = cfg.strategy
     if s.name == "zero":
+        if s.stage == 1 and s.meta_init:
+            raise UserError("strategy.meta_init=true needs strategy.stage=2 or 3 (stage 1 keeps whole parameters)")
         _require(
             s.stage in (1, 2, 3),
             "strategy.stage",

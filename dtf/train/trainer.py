@@ -59,6 +59,13 @@ class TrainerSettings:
     progress: str
     num_warmup_timing_steps: int
 
+    def steps_per_epoch(self, num_batches: int) -> int:
+        return math.ceil(num_batches / self.grad_accum_steps)
+
+    def total_steps(self, num_batches: int) -> int:
+        """Optimizer steps of the run: max_steps when set, else max_epochs whole epochs."""
+        return self.max_steps if self.max_steps is not None else self.max_epochs * self.steps_per_epoch(num_batches)
+
 
 class Trainer:
     def __init__(
@@ -99,12 +106,8 @@ class Trainer:
 
     # -- sizes -----------------------------------------------------------------------------
     @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(len(self.train_data) / self.s.grad_accum_steps)
-
-    @property
     def total_steps(self) -> int:
-        return self.s.max_steps if self.s.max_steps is not None else self.s.max_epochs * self.steps_per_epoch
+        return self.s.total_steps(len(self.train_data))
 
     # -- the loop --------------------------------------------------------------------------
     def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, int]:

@@ -81,12 +81,14 @@ def test_help_lists_groups_and_options() -> None:
         [sys.executable, "-m", "dtf", "--help"], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     for line in (
-        "model: approximator, mnist_cnn",
+        "model: approximator, deep_mlp, mnist_cnn",
         "data: digits, fake_images, scalar_field",
-        "strategy: ddp",
+        "strategy: ddp, fsdp, mics, zero",
         "launcher: local",
     ):
         assert line in out
+    assert "schema" not in out  # dtf's schemas are not options a user picks
+    assert "schema" not in out  # dtf's schemas are not options a user picks
 
 
 def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
