@@ -18,8 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-COMMON = ["model=deep_mlp", "optimizer=adam", "trainer.progress=off", "trainer.export_weights=false",
-          "data.dataset.num_points=6000", "data.dataset.num_test=200"]
+COMMON = [
+    "model=deep_mlp",
+    "optimizer=adam",
+    "trainer.progress=off",
+    "trainer.export_weights=false",
+    "data.dataset.num_points=6000",
+    "data.dataset.num_test=200",
+]
 # (label, world size, overrides, ZeRO prediction of per-rank bytes relative to DDP)
 CASES = [
     ("ddp", 2, ["strategy=ddp"], lambda n: 1.0),
@@ -35,8 +41,16 @@ CASES = [
 
 def run(tmp: Path, tag: str, world: int, overrides: list[str], steps: int) -> dict:
     run_dir = tmp / tag
-    cmd = [sys.executable, "-m", "dtf", *COMMON, *overrides, f"launcher.nproc={world}",
-           f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtf",
+        *COMMON,
+        *overrides,
+        f"launcher.nproc={world}",
+        f"trainer.max_steps={steps}",
+        f"hydra.run.dir={run_dir}",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -52,20 +66,30 @@ def main() -> None:
             for i, (_label, world, overrides, _) in enumerate(CASES):
                 results[i].append(run(Path(d), f"{i}-{r}", world, overrides, args.steps))
             print(f"repeat {r + 1}/{args.repeats} done", flush=True)
-    ddp_bytes = {world: max(results[i][0]["model_state_bytes"]) for i, (lbl, world, _, _) in enumerate(CASES)
-                 if lbl == "ddp"}
-    ddp_step = {world: statistics.median(s["step_time_s"] for s in results[i]) for i, (lbl, world, _, _)
-                in enumerate(CASES) if lbl == "ddp"}
+    ddp_bytes = {
+        world: max(results[i][0]["model_state_bytes"]) for i, (lbl, world, _, _) in enumerate(CASES) if lbl == "ddp"
+    }
+    ddp_step = {
+        world: statistics.median(s["step_time_s"] for s in results[i])
+        for i, (lbl, world, _, _) in enumerate(CASES)
+        if lbl == "ddp"
+    }
     print()
-    print(f"{'strategy':<20}{'ranks':>6}{'step ms':>10}{'x ddp':>8}{'MB/rank (max)':>15}{'x ddp':>8}"
-          f"{'ZeRO formula':>14}{'final loss':>12}")
+    print(
+        f"{'strategy':<20}{'ranks':>6}{'step ms':>10}{'x ddp':>8}{'MB/rank (max)':>15}{'x ddp':>8}"
+        f"{'ZeRO formula':>14}{'final loss':>12}"
+    )
     for i, (label, world, _, formula) in enumerate(CASES):
         step = statistics.median(s["step_time_s"] for s in results[i])
         most = max(results[i][0]["model_state_bytes"])
-        print(f"{label:<20}{world:>6}{step * 1e3:>10.2f}{step / ddp_step[world]:>8.2f}{most / 2**20:>15.3f}"
-              f"{most / ddp_bytes[world]:>8.3f}{formula(world):>14.3f}{results[i][0]['final_train_loss']:>12.5f}")
-    print(f"\nmedian of {args.repeats} repeats, {args.steps} optimizer steps each; ZeRO-2's formula is an upper "
-          "bound: FSDP2 also keeps parameters sharded between steps, so stage 2 measures 1/N.")
+        print(
+            f"{label:<20}{world:>6}{step * 1e3:>10.2f}{step / ddp_step[world]:>8.2f}{most / 2**20:>15.3f}"
+            f"{most / ddp_bytes[world]:>8.3f}{formula(world):>14.3f}{results[i][0]['final_train_loss']:>12.5f}"
+        )
+    print(
+        f"\nmedian of {args.repeats} repeats, {args.steps} optimizer steps each; ZeRO-2's formula is an upper "
+        "bound: FSDP2 also keeps parameters sharded between steps, so stage 2 measures 1/N."
+    )
 
 
 if __name__ == "__main__":
