@@ -1,6 +1,6 @@
 """dtf's per-step overhead against a plain hand-written PyTorch DDP loop, measured in one run.
 
-    .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 10] [--nproc 2]
+    .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 40] [--nproc 2]
 
 Both train the default job (scalar-field MLP, Adam, per-rank batch 32, linear LR scaling,
 gloo on CPU) with the same seed, alternating raw, dtf, raw, dtf, ... so that machine load
@@ -55,7 +55,7 @@ def run_dtf(tmp: Path, i: int, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=40, help="40 = the default job's trainer.max_epochs")
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args()
     raw, ours = [], []

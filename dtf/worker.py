@@ -24,6 +24,7 @@ from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
 from dtf.train import schedule
+from dtf.train.checkpoint import Checkpointer, resolve_resume
 from dtf.train.logging import TensorBoard
 from dtf.train.trainer import Trainer, TrainerSettings, supervised_step
 
@@ -129,7 +130,18 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         train_data=train_data,
         eval_data=eval_data,
         tensorboard=tb,
+        checkpointer=Checkpointer(run_dir / cfg.checkpoint.dir, env, cfg.checkpoint.keep_last, cfg.strategy.name),
+        checkpoint_every_n_steps=cfg.checkpoint.every_n_steps,
+        checkpoint_at_end=cfg.checkpoint.at_end,
+        lr_scale=scale,
     )
+    # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
+    found = resolve_resume(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir) if env.is_main else None
+    resume = dist_env.broadcast_from_main(str(found) if found else None)
+    if resume is not None:
+        trainer.resume_from(Path(resume))
+        if env.is_main:
+            print(f"dtf: resumed from {resume} (step {trainer.global_step})", flush=True)
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "

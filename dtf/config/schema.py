@@ -59,6 +59,21 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints through torch.distributed.checkpoint, under <run_dir>/<dir>."""
+
+    # Save every n optimizer steps (null: only at the end).
+    every_n_steps: int | None = 500
+    at_end: bool = True
+    # Complete checkpoints kept; older ones are deleted once a newer one is committed.
+    keep_last: int = 2
+    # auto: continue from the newest complete checkpoint in the run dir, if any;
+    # never: start fresh; or the path of a step_* checkpoint folder (of any run).
+    resume: str = "auto"
+    dir: str = "checkpoints"
+
+
+@dataclass
 class LoaderDataConfig:
     """A map-style dataset through torch's DataLoader and DistributedSampler."""
 

@@ -8,6 +8,7 @@ from dtf.config import schema
 # (nor listed by --help); an option YAML extends one with `- /<name>@_here_` in its defaults.
 SCHEMAS = {
     "schema_trainer": schema.TrainerConfig,
+    "schema_checkpoint": schema.CheckpointConfig,
     "schema_data_loader": schema.LoaderDataConfig,
     "schema_strategy_ddp": schema.DDPStrategyConfig,
     "schema_strategy_zero": schema.ZeroStrategyConfig,

@@ -10,6 +10,7 @@ import difflib
 import inspect
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.strategy.fsdp import DTYPES, find_blocks
+from dtf.train.checkpoint import resolve_resume
 
 # Keys Hydra's instantiate consumes itself; everything else is passed to the target.
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
@@ -32,11 +34,12 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    for section in ("trainer", "data", "strategy", "launcher"):
+    for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     _check_trainer(cfg.trainer)
     _check_data(cfg.data)
     _check_launcher(cfg.launcher)
+    _check_checkpoint(cfg.checkpoint)
     _check_strategy(cfg)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
@@ -117,6 +120,18 @@ def _check_data(d: DictConfig) -> None:
         )
     if "num_workers" in d:
         _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the rank) or more")
+
+
+def _check_checkpoint(c: DictConfig) -> None:
+    _require(
+        c.every_n_steps is None or c.every_n_steps >= 1,
+        "checkpoint.every_n_steps",
+        c.every_n_steps,
+        "use a positive number of optimizer steps, or null to save only at the end",
+    )
+    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "keep at least 1 checkpoint")
+    if c.resume not in ("auto", "never"):
+        resolve_resume(c.resume, Path(c.resume))  # a named checkpoint must exist and be complete
 
 
 def _check_launcher(launcher: DictConfig) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -15,21 +17,41 @@ from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 
 
-@dataclass
-class TrainData:
-    """One epoch of this rank's batches; len() is identical on every rank."""
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start the current epoch after its first `skip` samples
+    (a mid-epoch resume); the next set_epoch() starts from the beginning again."""
 
-    loader: DataLoader
-    sampler: DistributedSampler
+    skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return self.num_samples - self.skip
+
+
+@dataclass
+class TrainData:
+    """One epoch of this rank's batches; len() (a whole epoch) is identical on every rank."""
+
+    loader: DataLoader
+    sampler: ResumableDistributedSampler
+    batch_size: int
+    batches_per_epoch: int
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
+        self.sampler.set_epoch(epoch, skip=start_batch * self.batch_size)
 
     @property
     def num_samples(self) -> int:
@@ -78,21 +100,32 @@ def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData
         pin_memory=cfg.pin_memory and env.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    sampler = ResumableDistributedSampler(
         train_set, num_replicas=env.world_size, rank=env.rank, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last
     )
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=cfg.drop_last, **common)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=cfg.drop_last,
+        # Its own generator: creating an iterator (every epoch, and on a resume mid-epoch) then
+        # draws the worker seed from it, not from the global RNG that dropout uses.
+        generator=torch.Generator().manual_seed(seed + env.rank),
+        **common,
+    )
     if len(train_loader) == 0:
         raise UserError(
             f"data.batch_size={cfg.batch_size} with drop_last leaves no batch for a rank "
             f"({len(sampler)} samples each): lower data.batch_size or set data.drop_last=false"
         )
-    train = TrainData(train_loader, sampler)
+    train = TrainData(train_loader, sampler, cfg.batch_size, len(train_loader))
     if test_set is None:
         return train, None
     eval_bs = cfg.eval_batch_size or cfg.batch_size
     eval_sampler = EvalShardSampler(len(test_set), env.rank, env.world_size)  # type: ignore[arg-type]
-    test_loader = DataLoader(test_set, batch_size=eval_bs, sampler=eval_sampler, **common)
+    test_loader = DataLoader(
+        test_set, batch_size=eval_bs, sampler=eval_sampler, generator=torch.Generator().manual_seed(seed), **common
+    )
     return train, EvalData(test_loader, eval_sampler, eval_bs)
 
 

@@ -10,7 +10,12 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
@@ -36,6 +41,15 @@ class Strategy(ABC):
         """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         return cast(dict[str, torch.Tensor], state)
+
+    def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter names (sharded tensors stay sharded), the
+        form torch.distributed.checkpoint saves and reshards onto any world size or strategy."""
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)

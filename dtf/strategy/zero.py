@@ -10,9 +10,16 @@ FSDP2 keeps parameters sharded in both, so stage 2 also holds 1/N of the paramet
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 
 from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig
@@ -42,6 +49,21 @@ class Zero1Strategy(DDPStrategy):
             **optimizer_factory.keywords,
         )
         return wrapped, optimizer
+
+    # ZeroRedundancyOptimizer.state_dict() gathers everything on one rank, keyed by position. Each
+    # rank saves its own partition keyed by parameter name instead: the union is the same state
+    # DDP or FSDP would save, so DCP can load it onto any world size or strategy.
+    def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        local: Optimizer = optimizer.optim  # type: ignore[attr-defined]
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, local)}
+
+    def load_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        local: Optimizer = optimizer.optim  # type: ignore[attr-defined]
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, local, state["optim"])
+        # the wrapper's groups are what the scheduler edits and what step() copies into the local ones
+        for group, local_group in zip(optimizer.param_groups, local.param_groups, strict=True):
+            group.update({k: v for k, v in local_group.items() if k != "params"})
 
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         # ZeroRedundancyOptimizer.state_dict() would gather every rank's state; count this rank's

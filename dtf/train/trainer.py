@@ -22,6 +22,7 @@ from dtf.data.even import batch_size_of, take_first
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
+from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.logging import Progress, TensorBoard
 from dtf.train.metrics import MeanMetric
 
@@ -81,6 +82,10 @@ class Trainer:
         train_data: TrainData,
         eval_data: EvalData | None,
         tensorboard: TensorBoard,
+        checkpointer: Checkpointer | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_at_end: bool = False,
+        lr_scale: float = 1.0,
     ) -> None:
         self.s = settings
         self.env = env
@@ -93,12 +98,19 @@ class Trainer:
         self.train_data = train_data
         self.eval_data = eval_data
         self.tb = tensorboard
+        self.checkpointer = checkpointer
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self.checkpoint_at_end = checkpoint_at_end
+        self.lr_scale = lr_scale  # what trainer.lr_scaling multiplied the LR by at this world size
         self.global_step = 0
         self.epoch = 0
+        self.start_batch = 0  # > 0 only for a run resumed in the middle of an epoch
+        self.resumed_from_step: int | None = None
+        self.train_loss = MeanMetric(env.device)
         self.step_times: list[float] = []
         self.train_seconds = 0.0
         self.samples_seen = 0
-        self.model_state_bytes = 0
+        self.model_state_bytes: int | None = None
         self.last_train_loss = float("nan")
         self.last_test_loss: float | None = None
         self.train_loss_curve: list[float] = []  # per epoch, all ranks
@@ -124,17 +136,20 @@ class Trainer:
 
     def fit(self) -> None:
         progress = Progress(self.s.progress, self.total_steps, enabled=self.env.is_main)
-        train_loss = MeanMetric(self.env.device)
+        train_loss = self.train_loss
         accum = self.s.grad_accum_steps
         num_batches = len(self.train_data)
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            while self.global_step < self.total_steps:
-                self.train_data.set_epoch(self.epoch)
+            # A run resumed from the last step of an epoch still owes that epoch's end (eval, metrics).
+            while self.global_step < self.total_steps or self.start_batch:
+                start, self.start_batch = self.start_batch, 0
+                self.train_data.set_epoch(self.epoch, start_batch=start)
                 self.model.train()
-                train_loss.reset()
+                if start == 0:
+                    train_loss.reset()  # resumed mid-epoch: the epoch's sums so far came from the checkpoint
                 t_epoch = t_last = self._sync_time()
-                for i, batch in enumerate(self.train_data):
+                for i, batch in enumerate(self.train_data, start=start):
                     batch = to_device(batch, self.env.device)
                     window_start = (i // accum) * accum
                     window = min(accum, num_batches - window_start)  # the last window of an epoch may be short
@@ -153,7 +168,14 @@ class Trainer:
                     self.step_times.append(now - t_last)
                     t_last = now
                     if self.global_step % self.s.log_every_n_steps == 0 or self.global_step == self.total_steps:
-                        self._log_step(progress, train_loss, now - t_epoch)
+                        self._log_step(progress, train_loss)
+                    every = self.checkpoint_every_n_steps
+                    last = self.global_step >= self.total_steps
+                    if (every and self.global_step % every == 0) or (last and self.checkpoint_at_end):
+                        # Saved at the step boundary, before any end-of-epoch work: a resumed run
+                        # continues from this exact batch, as if it had never stopped.
+                        self.save_checkpoint(batch_in_epoch=i + 1)
+                        t_last = self._sync_time()  # the save is not a training step
                     if self.global_step >= self.total_steps:
                         break
                 self.train_seconds += t_last - t_epoch
@@ -177,7 +199,7 @@ class Trainer:
         if self.s.grad_clip_norm is not None:
             self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
         self.optimizer.step()
-        if self.global_step == 0:
+        if self.model_state_bytes is None:
             # Measured once, when parameters, gradients and optimizer state all exist.
             self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,7 +207,7 @@ class Trainer:
             self.scheduler.step()
         self.global_step += 1
 
-    def _log_step(self, progress: Progress, train_loss: MeanMetric, epoch_seconds: float) -> None:
+    def _log_step(self, progress: Progress, train_loss: MeanMetric) -> None:
         if not self.env.is_main:
             return
         lr = self.optimizer.param_groups[0]["lr"]
@@ -213,6 +235,98 @@ class Trainer:
             metric.update(loss, real)
         self.model.train()
         return metric.compute()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _global_sums(self) -> tuple[float, float, int]:
+        """(loss sum, sample count) of the epoch so far and samples seen, over all ranks (a collective)."""
+        state = torch.cat(
+            [
+                self.train_loss._state,
+                torch.tensor([float(self.samples_seen)], dtype=torch.float64, device=self.env.device),
+            ]
+        )
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.all_reduce(state)
+        loss_sum, count, samples = state.tolist()
+        return loss_sum, count, int(samples)
+
+    def save_checkpoint(self, batch_in_epoch: int) -> None:
+        """Collective. batch_in_epoch: micro-batches of the current epoch already trained on."""
+        assert self.checkpointer is not None
+        loss_sum, loss_count, samples = self._global_sums()
+        trainer_state = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "samples_per_batch": self.train_data.batch_size * self.env.world_size,
+            "epoch_loss_sum": loss_sum,
+            "epoch_loss_count": loss_count,
+            "samples_seen": samples,
+            "train_seconds": self.train_seconds,
+            "train_loss_curve": self.train_loss_curve,
+            "test_loss_curve": self.test_loss_curve,
+            "last_train_loss": self.last_train_loss,
+            "last_test_loss": self.last_test_loss,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "lr_scale": self.lr_scale,
+        }
+        app_state = self.strategy.state_dict(self.model, self.optimizer)
+        self.checkpointer.save(self.global_step, app_state, trainer_state)
+
+    def resume_from(self, path: Path) -> None:
+        """Continue exactly where the checkpoint at path stopped (collective)."""
+        assert self.checkpointer is not None
+        app_state = self.strategy.state_dict(self.model, self.optimizer)
+        state, rng, saved_world = self.checkpointer.load(path, app_state)
+        self.strategy.load_state_dict(self.model, self.optimizer, app_state)
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["lr_scale"] != self.lr_scale:  # another world size: the saved LRs were scaled for the old one
+            self._rescale_lr(self.lr_scale / state["lr_scale"])
+        self.global_step = self.resumed_from_step = state["global_step"]
+        self.epoch = state["epoch"]
+        # The data position is a prefix of the epoch's shuffled order: samples already used, globally.
+        consumed = state["batch_in_epoch"] * state["samples_per_batch"]
+        per_batch = self.train_data.batch_size * self.env.world_size
+        self.start_batch = consumed // per_batch
+        notes = []
+        if consumed % per_batch:
+            notes.append(
+                f"the global batch changed ({state['samples_per_batch']} -> {per_batch} samples): "
+                f"{consumed % per_batch} samples of epoch {self.epoch + 1} are seen twice"
+            )
+        if rng is not None:
+            set_rng_state(rng)
+        elif saved_world != self.env.world_size:
+            notes.append(
+                f"the world size changed ({saved_world} -> {self.env.world_size}): random streams "
+                "(dropout, augmentation) restart, so the run will not match an uninterrupted one bit for bit"
+            )
+        if self.env.is_main:
+            self.train_loss._state.copy_(
+                torch.tensor([state["epoch_loss_sum"], state["epoch_loss_count"]], dtype=torch.float64)
+            )
+            self.samples_seen = state["samples_seen"]
+            for note in notes:
+                print(f"dtf: warning: resuming {path}: {note}", flush=True)
+        self.train_seconds = state["train_seconds"]
+        self.train_loss_curve = list(state["train_loss_curve"])
+        self.test_loss_curve = list(state["test_loss_curve"])
+        self.last_train_loss = state["last_train_loss"]
+        self.last_test_loss = state["last_test_loss"]
+
+    def _rescale_lr(self, ratio: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        pending = [self.scheduler] if self.scheduler is not None else []
+        while pending:  # the scheduler and, for SequentialLR, the ones it chains
+            sched = pending.pop()
+            for attr in ("base_lrs", "_last_lr"):
+                if hasattr(sched, attr):
+                    setattr(sched, attr, [lr * ratio for lr in getattr(sched, attr)])
+            pending.extend(getattr(sched, "_schedulers", []))
 
     # -- results ---------------------------------------------------------------------------
     def params_sha256(self) -> str:
@@ -265,7 +379,7 @@ class Trainer:
             "samples_seen": total_samples,
             "train_seconds": self.train_seconds,
             "lr_final": self.optimizer.param_groups[0]["lr"],
-            "resumed_from_step": None,
+            "resumed_from_step": self.resumed_from_step,
             "run_dir": str(run_dir),
         }
         return summary

@@ -1,0 +1,199 @@
+"""Checkpoints that are never torn: torch.distributed.checkpoint (sharded where the strategy
+shards) plus one small file per rank, made valid only by a commit marker written last,
+atomically (write, fsync, rename), once every rank has finished writing.
+
+Layout: <run_dir>/checkpoints/step_<global step>/
+    .metadata, __<rank>_0.distcp   DCP: model and optimizer state (resharded on load)
+    rank_<r>.pt                    this rank's RNG states (torch.save, loaded with weights_only)
+    trainer.pt                     loop position, epoch metrics, LR scheduler (rank 0)
+    COMMITTED.json                 step, world size, strategy, every file's size; written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+
+MARKER = "COMMITTED.json"
+TRAINER_FILE = "trainer.pt"
+_PREFIX = "step_"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save_synced(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain numbers (loadable with weights_only=True)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "python_version": py_version,
+        "python_gauss": py_gauss,
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "numpy_kind": str(np_kind),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"].tolist()), state["python_gauss"]))
+    np.random.set_state(
+        (
+            state["numpy_kind"],
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_complete(path: Path) -> tuple[bool, str]:
+    """A checkpoint counts only with its marker, and only if every file it lists has its size."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return False, "no commit marker (the save was interrupted)"
+    try:
+        meta = json.loads(marker.read_text())
+        for name, size in meta["files"].items():
+            f = path / name
+            if not f.is_file() or f.stat().st_size != size:
+                return False, f"{name} is missing or truncated"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"unreadable commit marker ({e})"
+    return True, ""
+
+
+def committed(root: Path) -> list[Path]:
+    """Complete checkpoints under root, newest first; incomplete ones are named in a warning."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.glob(f"{_PREFIX}*"), key=lambda p: p.name, reverse=True):
+        if not path.name[len(_PREFIX) :].isdigit():
+            continue
+        ok, why = is_complete(path)
+        if ok:
+            found.append(path)
+        else:
+            warnings.warn(f"dtf: skipping checkpoint {path}: {why}", stacklevel=2)
+    return found
+
+
+class Checkpointer:
+    def __init__(self, root: Path, env: DistEnv, keep_last: int, strategy_name: str) -> None:
+        self.root = root
+        self.env = env
+        self.keep_last = keep_last
+        self.strategy_name = strategy_name
+
+    def save(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls it at the same step."""
+        path = self.root / f"{_PREFIX}{step:09d}"
+        if self.env.is_main:
+            if path.exists():  # a stale, uncommitted attempt at the same step (e.g. before a crash)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        _barrier()
+        dcp.save(app_state, checkpoint_id=str(path))
+        _torch_save_synced(rng_state(), path / f"rank_{self.env.rank}.pt")
+        if self.env.is_main:
+            _torch_save_synced(trainer_state, path / TRAINER_FILE)
+        _barrier()  # every rank's files are on disk before the marker says so
+        if self.env.is_main:
+            files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+            meta = {"step": step, "world_size": self.env.world_size, "strategy": self.strategy_name, "files": files}
+            _fsync_write(path / MARKER, json.dumps(meta, indent=1).encode())
+            self._prune()
+        _barrier()
+        return path
+
+    def _prune(self) -> None:
+        """Delete all but the newest keep_last complete checkpoints (incomplete ones too: never loadable)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            keep = set(committed(self.root)[: self.keep_last])
+        for path in self.root.glob(f"{_PREFIX}*"):
+            if path not in keep and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's
+        RNG state or None when the world size changed, saved world size)."""
+        meta = json.loads((path / MARKER).read_text())
+        dcp.load(app_state, checkpoint_id=str(path))
+        trainer_state = torch.load(path / TRAINER_FILE, weights_only=True)
+        rank_file = path / f"rank_{self.env.rank}.pt"
+        same_world = meta["world_size"] == self.env.world_size
+        rng = torch.load(rank_file, weights_only=True) if same_world and rank_file.is_file() else None
+        return trainer_state, rng, int(meta["world_size"])
+
+
+def resolve_resume(setting: str, root: Path) -> Path | None:
+    """checkpoint.resume: auto (newest complete checkpoint of this run dir, if any), never, or a path."""
+    if setting == "never":
+        return None
+    if setting == "auto":
+        found = committed(root)
+        return found[0] if found else None
+    path = Path(setting)
+    if not path.is_dir():
+        raise UserError(
+            f"checkpoint.resume={setting}: no such checkpoint directory; give a step_* folder, auto or never"
+        )
+    ok, why = is_complete(path)
+    if not ok:
+        raise UserError(f"checkpoint.resume={setting} is not a complete checkpoint: {why}")
+    return path
