@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -100,6 +101,44 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_METADATA_CLASSES = frozenset(
+    {
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP reads its .metadata with plain pickle.load. Before it does, dtf reads the file with this
+    unpickler, which builds only DCP's own metadata classes and the torch types they hold, so a
+    tampered or garbage checkpoint is refused instead of running code (weights_only semantics)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module, name) in _METADATA_CLASSES
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+def _metadata_problem(path: Path) -> str:
+    try:
+        with open(path / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except Exception as e:  # any failure to read it safely makes the checkpoint unusable
+        return f"unsafe or corrupt .metadata ({type(e).__name__}: {e})"
+    return ""
+
+
 def is_complete(path: Path) -> tuple[bool, str]:
     """A checkpoint counts only with its marker, and only if every file it lists has its size."""
     marker = path / MARKER
@@ -113,7 +152,8 @@ def is_complete(path: Path) -> tuple[bool, str]:
                 return False, f"{name} is missing or truncated"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return False, f"unreadable commit marker ({e})"
-    return True, ""
+    problem = _metadata_problem(path)
+    return (False, problem) if problem else (True, "")
 
 
 def committed(root: Path) -> list[Path]:
