@@ -19,7 +19,7 @@ from dtf import launch
 from dtf.config import store
 from dtf.config.validate import validate
 from dtf.errors import RankFailedError, UserError
-from dtf.worker import spawned_rank_main
+from dtf.launch.rank import rank_main
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -43,7 +43,7 @@ def run(cfg: DictConfig, run_dir: str) -> Any:
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)
     launcher = launch.build(cfg.launcher)
-    return launcher.launch(spawned_rank_main, cfg, run_dir)
+    return launcher.launch(rank_main, cfg, run_dir)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

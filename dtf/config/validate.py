@@ -20,8 +20,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
-from dtf.strategy.fsdp import DTYPES, find_blocks
-from dtf.train.checkpoint import resolve_resume
 
 # Keys Hydra's instantiate consumes itself; everything else is passed to the target.
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
@@ -131,6 +129,8 @@ def _check_checkpoint(c: DictConfig) -> None:
     )
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "keep at least 1 checkpoint")
     if c.resume not in ("auto", "never"):
+        from dtf.train.checkpoint import resolve_resume  # torch.distributed.checkpoint: only when needed
+
         resolve_resume(c.resume, Path(c.resume))  # a named checkpoint must exist and be complete
 
 
@@ -153,6 +153,9 @@ def expected_world_size(cfg: DictConfig) -> int | None:
     return None if nproc is None else int(nproc) * int(cfg.launcher.get("nodes", 1))
 
 
+_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # dtf.strategy.fsdp.DTYPES, without importing FSDP here
+
+
 def _check_strategy(cfg: DictConfig) -> None:
     s = cfg.strategy
     if s.name == "zero":
@@ -167,7 +170,10 @@ def _check_strategy(cfg: DictConfig) -> None:
     for key in ("param_dtype", "reduce_dtype"):
         value = s.get(key)
         _require(
-            value is None or value in DTYPES, f"strategy.{key}", value, f"choose one of {', '.join(DTYPES)} or null"
+            value is None or value in _DTYPE_NAMES,
+            f"strategy.{key}",
+            value,
+            f"choose one of {', '.join(_DTYPE_NAMES)} or null",
         )
     if s.name == "mics":
         group = s.partition_group_size
@@ -186,6 +192,8 @@ def _check_strategy(cfg: DictConfig) -> None:
             except Exception:
                 return  # the ranks will report it with its traceback
         if model is not None:
+            from dtf.strategy.fsdp import find_blocks
+
             find_blocks(model, list(s.block_classes))
 
 

@@ -30,6 +30,12 @@ STRATEGIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def straight_ddp(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
+    """The uninterrupted reference run of COMMON (DDP on 2 ranks, N steps)."""
+    return _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path_factory.mktemp("straight") / "run"))
+
+
 def _ok(run: DtfRun) -> DtfRun:
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -54,9 +60,11 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
         pytest.param("mics", marks=pytest.mark.slow),
     ],
 )
-def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(tmp_path: Path, name: str) -> None:
+def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
+    tmp_path: Path, name: str, straight_ddp: DtfRun
+) -> None:
     args = [*COMMON, *STRATEGIES[name]]
-    straight = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
+    straight = straight_ddp if name == "ddp" else _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
     first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed"))
     assert first.summary["resumed_from_step"] is None
     resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
@@ -89,9 +97,9 @@ def test_a_restarted_run_resumes_from_its_newest_checkpoint(tmp_path: Path) -> N
     _same_run(restarted, clean)
 
 
-def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path) -> None:
+def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
     args = [*COMMON, "checkpoint.keep_last=3"]
-    straight = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
+    straight = straight_ddp
     run_dir = tmp_path / "resumed"
     _ok(run_dtf([*args, f"trainer.max_steps={K}"], run_dir))
     ckpts = run_dir / "checkpoints"
@@ -118,8 +126,8 @@ def test_resume_never_starts_fresh(tmp_path: Path) -> None:
     assert again.summary["resumed_from_step"] is None
 
 
-def test_resume_onto_another_world_size_and_strategy(tmp_path: Path) -> None:
-    straight = _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path / "straight"))
+def test_resume_onto_another_world_size_and_strategy(tmp_path: Path, straight_ddp: DtfRun) -> None:
+    straight = straight_ddp
     _ok(run_dtf([*COMMON, "strategy=fsdp", f"trainer.max_steps={K}"], tmp_path / "fsdp2"))
     source = tmp_path / "fsdp2" / "checkpoints" / f"step_{K:09d}"
     # the global batch halves (1 rank x 32): the same samples are consumed, at twice the steps
