@@ -9,24 +9,37 @@ import torch.distributed as dist
 class MeanMetric:
     def __init__(self, device: torch.device) -> None:
         # float64 so that summing many float32 losses loses nothing that matters.
-        self._state = torch.zeros(2, dtype=torch.float64, device=device)
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = 0
 
     def reset(self) -> None:
-        self._state.zero_()
+        self.total.zero_()
+        self.count = 0
 
     def update(self, mean_value: torch.Tensor, count: int) -> None:
-        """Add a batch whose mean is mean_value over count samples (stays on device: no sync)."""
-        self._state[0] += mean_value.detach().to(torch.float64) * count
-        self._state[1] += count
+        """Add a batch whose mean is mean_value over count samples: one in-place op on the device,
+        no synchronisation (this runs every step)."""
+        self.total.add_(mean_value.detach(), alpha=count)
+        self.count += count
+
+    def set(self, total: float, count: int) -> None:
+        self.total.fill_(total)
+        self.count = count
 
     def local(self) -> float:
-        total, count = self._state.tolist()
-        return total / count if count else float("nan")
+        return self.total.item() / self.count if self.count else float("nan")
 
-    def compute(self) -> float:
-        """The mean over every sample seen by every rank (a collective: call on all ranks)."""
-        state = self._state.clone()
+    def global_sums(self) -> tuple[float, int]:
+        """(sum, count) over every rank (a collective: call on all ranks)."""
+        state = torch.stack(
+            [self.total, torch.tensor(float(self.count), dtype=torch.float64, device=self.total.device)]
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(state, op=dist.ReduceOp.SUM)
         total, count = state.tolist()
+        return total, int(count)
+
+    def compute(self) -> float:
+        """The mean over every sample seen by every rank (a collective: call on all ranks)."""
+        total, count = self.global_sums()
         return total / count if count else float("nan")

@@ -158,7 +158,7 @@ class Trainer:
                     sync = contextlib.nullcontext() if last_in_window else self.strategy.no_sync(self.model)
                     with sync:
                         loss, count = self._forward_loss(batch)
-                        (loss / window).backward()
+                        (loss / window if window > 1 else loss).backward()
                     train_loss.update(loss, count)
                     self.samples_seen += count
                     if not last_in_window:
@@ -237,18 +237,14 @@ class Trainer:
         return metric.compute()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _global_sums(self) -> tuple[float, float, int]:
+    def _global_sums(self) -> tuple[float, int, int]:
         """(loss sum, sample count) of the epoch so far and samples seen, over all ranks (a collective)."""
-        state = torch.cat(
-            [
-                self.train_loss._state,
-                torch.tensor([float(self.samples_seen)], dtype=torch.float64, device=self.env.device),
-            ]
-        )
+        counts = torch.tensor([self.train_loss.count, self.samples_seen], dtype=torch.float64, device=self.env.device)
+        state = torch.cat([self.train_loss.total.reshape(1), counts])
         if dist.is_initialized() and self.env.world_size > 1:
             dist.all_reduce(state)
         loss_sum, count, samples = state.tolist()
-        return loss_sum, count, int(samples)
+        return loss_sum, int(count), int(samples)
 
     def save_checkpoint(self, batch_in_epoch: int) -> None:
         """Collective. batch_in_epoch: micro-batches of the current epoch already trained on."""
@@ -303,9 +299,7 @@ class Trainer:
                 "(dropout, augmentation) restart, so the run will not match an uninterrupted one bit for bit"
             )
         if self.env.is_main:
-            self.train_loss._state.copy_(
-                torch.tensor([state["epoch_loss_sum"], state["epoch_loss_count"]], dtype=torch.float64)
-            )
+            self.train_loss.set(state["epoch_loss_sum"], int(state["epoch_loss_count"]))
             self.samples_seen = state["samples_seen"]
             for note in notes:
                 print(f"dtf: warning: resuming {path}: {note}", flush=True)
