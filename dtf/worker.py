@@ -157,8 +157,9 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
             )
 
     trainer.fit()
-    summary = trainer.summary(run_dir)
-    state = strategy.full_state_dict(trainer.model) if t.export_weights else None
+    # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
+    state = strategy.full_state_dict(trainer.model)
+    summary = trainer.summary(run_dir, state)
     if summary is None:
         return None
     summary.update(
@@ -166,7 +167,7 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         strategy_settings=OmegaConf.to_container(cfg.strategy),
         launcher=cfg.launcher.name,
     )
-    if state is not None:
+    if t.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
         summary["weights_file"] = WEIGHTS_FILE
     hparams = {

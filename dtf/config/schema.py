@@ -14,6 +14,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
+# Names accepted by strategy.param_dtype / reduce_dtype (dtf.strategy.fsdp maps them to dtypes).
+PRECISIONS = ("bf16", "fp16", "fp32")
+
 
 class LRScaling(str, Enum):
     """How the optimizer's learning rate grows with the number of ranks (Goyal et al.)."""

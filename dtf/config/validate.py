@@ -18,6 +18,7 @@ from hydra._internal.utils import _locate
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dtf.config.schema import PRECISIONS
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 
@@ -153,9 +154,6 @@ def expected_world_size(cfg: DictConfig) -> int | None:
     return None if nproc is None else int(nproc) * int(cfg.launcher.get("nodes", 1))
 
 
-_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # dtf.strategy.fsdp.DTYPES, without importing FSDP here
-
-
 def _check_strategy(cfg: DictConfig) -> None:
     s = cfg.strategy
     if s.name == "zero":
@@ -170,10 +168,10 @@ def _check_strategy(cfg: DictConfig) -> None:
     for key in ("param_dtype", "reduce_dtype"):
         value = s.get(key)
         _require(
-            value is None or value in _DTYPE_NAMES,
+            value is None or value in PRECISIONS,
             f"strategy.{key}",
             value,
-            f"choose one of {', '.join(_DTYPE_NAMES)} or null",
+            f"choose one of {', '.join(PRECISIONS)} or null",
         )
     if s.name == "mics":
         group = s.partition_group_size

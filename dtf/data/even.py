@@ -19,7 +19,6 @@ from torch.utils.data import Sampler
 
 class EvalShardSampler(Sampler[int]):
     def __init__(self, num_samples: int, rank: int, world_size: int) -> None:
-        self.num_samples_total = num_samples
         own = list(range(rank, num_samples, world_size))
         self.num_real = len(own)
         self.length = math.ceil(num_samples / world_size)

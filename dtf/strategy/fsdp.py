@@ -13,11 +13,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
 
+from dtf.config.schema import PRECISIONS
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import OptimizerFactory, Strategy
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = dict(zip(PRECISIONS, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:

@@ -323,9 +323,9 @@ class Trainer:
             pending.extend(getattr(sched, "_schedulers", []))
 
     # -- results ---------------------------------------------------------------------------
-    def params_sha256(self) -> str:
+    @staticmethod
+    def params_sha256(state: dict[str, torch.Tensor]) -> str:
         """Digest of the full model state (names, dtypes, shapes, values), independent of sharding."""
-        state = self.strategy.full_state_dict(self.model)
         h = hashlib.sha256()
         for name in sorted(state):
             t = state[name].detach().cpu().contiguous()
@@ -338,9 +338,9 @@ class Trainer:
         times = self.step_times[skip:]
         return statistics.median(times) if times else None
 
-    def summary(self, run_dir: Path) -> dict[str, Any] | None:
+    def summary(self, run_dir: Path, full_state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
         """Gathers per-rank figures (a collective) and returns the run summary on rank 0."""
-        digest = self.params_sha256()
+        digest = self.params_sha256(full_state)
         local = {
             "steps": self.global_step,
             "bytes": self.model_state_bytes,
