@@ -20,6 +20,7 @@ from dtf.config import store
 from dtf.config.validate import validate
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.rank import rank_main
+from dtf.train.stop import EXIT_STOPPED
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -46,16 +47,35 @@ def run(cfg: DictConfig, run_dir: str) -> Any:
     return launcher.launch(rank_main, cfg, run_dir)
 
 
+def report_stop(result: dict[str, Any], run_dir: str) -> None:
+    """A stop signal ended the run early: say where it stands and how to continue, exit EXIT_STOPPED."""
+    if result["checkpoint"]:
+        where = f"at step {result['step']}, saved {result['checkpoint']}"
+    else:
+        where = "before its first checkpoint (a rerun starts from the beginning)"
+    print(
+        f"dtf: stopped by {result['stopped_by']} {where}; continue with the same command and "
+        f"hydra.run.dir={run_dir} (exit status {EXIT_STOPPED})",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(EXIT_STOPPED)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        return run(cfg, HydraConfig.get().runtime.output_dir)
+        result = run(cfg, run_dir)
     except RankFailedError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_FAILED) from None
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+    if isinstance(result, dict) and "stopped_by" in result:
+        report_stop(result, run_dir)
+    return result
 
 
 def main() -> None:

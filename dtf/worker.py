@@ -25,7 +25,9 @@ from dtf.errors import UserError
 from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
 from dtf.train import schedule
 from dtf.train.checkpoint import Checkpointer, resolve_resume
+from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
+from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, TrainerSettings, supervised_step
 
 SUMMARY_FILE = "summary.json"
@@ -54,14 +56,18 @@ def build_model(cfg: DictConfig) -> nn.Module:
 
 
 def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
-    """Entry point of one rank. Returns the run summary on rank 0, None elsewhere."""
+    """Entry point of one rank. Returns the run summary on rank 0, None elsewhere; a run ended
+    early by a stop signal returns stopped_report() on every rank instead."""
     for key, value in cfg.launcher.get("env", {}).items():
         os.environ.setdefault(str(key), str(value))
     limit_threads()
+    # From the start: a stop signal that arrives while the run is still setting up is not lost.
+    stop_request = StopRequest(list(cfg.checkpoint.stop_signals))
     t = cfg.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
-    summary = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)))
+    summary = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)), stop_request)
+    stop_request.restore()
     # Only on success: after an error the group must stay up until the error is recorded, or the
     # peers see "connection closed" first and the report blames the wrong rank.
     dist_env.destroy()
@@ -78,7 +84,9 @@ def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
-def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, Any] | None:
+def train(
+    cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest | None = None
+) -> dict[str, Any] | None:
     t = cfg.trainer
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -130,10 +138,13 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         train_data=train_data,
         eval_data=eval_data,
         tensorboard=tb,
-        checkpointer=Checkpointer(run_dir / cfg.checkpoint.dir, env, cfg.checkpoint.keep_last, cfg.strategy.name),
+        checkpointer=Checkpointer(
+            run_dir / cfg.checkpoint.dir, env, cfg.checkpoint.keep_last, cfg.strategy.name, cfg.checkpoint.async_save
+        ),
         checkpoint_every_n_steps=cfg.checkpoint.every_n_steps,
         checkpoint_at_end=cfg.checkpoint.at_end,
         lr_scale=scale,
+        control=StepControl(stop_request or StopRequest(()), env.world_size),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found = resolve_resume(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir) if env.is_main else None
@@ -157,6 +168,13 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
             )
 
     trainer.fit()
+    if trainer.stopped_at_step is not None:
+        assert trainer.checkpointer is not None
+        return stopped_report(
+            stop_request.signal_name if stop_request else None,
+            trainer.stopped_at_step,
+            trainer.checkpointer.path_of(trainer.stopped_at_step),
+        )
     # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
     state = strategy.full_state_dict(trainer.model)
     summary = trainer.summary(run_dir, state)
@@ -195,6 +213,11 @@ def train(cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path) -> dict[str, An
         flush=True,
     )
     return summary
+
+
+def stopped_report(signal_name: str | None, step: int, checkpoint: Path) -> dict[str, Any]:
+    """What a rank returns when a stop signal ended the run: the launcher exits with EXIT_STOPPED."""
+    return {"stopped_by": signal_name or "a stop signal (to another rank)", "step": step, "checkpoint": str(checkpoint)}
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

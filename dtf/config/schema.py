@@ -74,6 +74,11 @@ class CheckpointConfig:
     # never: start fresh; or the path of a step_* checkpoint folder (of any run).
     resume: str = "auto"
     dir: str = "checkpoints"
+    # Write in a background thread (dcp.async_save): training blocks only while the state is copied.
+    async_save: bool = False
+    # Signals that make all ranks agree to stop at the next step boundary, save one checkpoint and
+    # exit with status 75 (EX_TEMPFAIL: requeue me). SLURM sends them before preemption or the time limit.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass

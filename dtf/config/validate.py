@@ -129,6 +129,15 @@ def _check_checkpoint(c: DictConfig) -> None:
         "use a positive number of optimizer steps, or null to save only at the end",
     )
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "keep at least 1 checkpoint")
+    from dtf.train.stop import STOPPABLE_SIGNALS
+
+    for name in c.stop_signals:
+        _require(
+            name in STOPPABLE_SIGNALS,
+            "checkpoint.stop_signals",
+            name,
+            f"use signal names among {', '.join(STOPPABLE_SIGNALS)}, or [] to die on them as usual",
+        )
     if c.resume not in ("auto", "never"):
         from dtf.train.checkpoint import resolve_resume  # torch.distributed.checkpoint: only when needed
 

@@ -7,14 +7,19 @@ at once, so a failed rank never leaves the others hanging in a collective.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import multiprocessing
 import os
+import signal
 import uuid
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -30,6 +35,7 @@ class LocalLauncher(Launcher):
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.
             return fn(cfg, run_dir)
         nproc = self.cfg.nproc
+        stop_signals = list(cfg.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}
         logs = DefaultLogsSpecs(
             log_dir=str(Path(run_dir) / "logs"),
@@ -49,6 +55,9 @@ class LocalLauncher(Launcher):
             start_method=self.cfg.start_method,
             logs_specs=logs,
             local_addr="127.0.0.1",
+            # The agent shuts the ranks down on these; stop signals are passed on to them instead
+            # (StopForwarding), so they save, stop and return, and the agent collects their results.
+            signals_to_handle=",".join(s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if s not in stop_signals),
         )
         # The agent logs every failure with a long traceback of its own; dtf reports the failed
         # rank in one line instead (and the rank's own traceback where it has one).
@@ -56,10 +65,54 @@ class LocalLauncher(Launcher):
         # attempt wrote (their gloo addresses) survive into the restart, whose rank 0 then dials the
         # dead peer ("Connection refused"; pytorch#135712, #167288). Each attempt gets its own store instead.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # Elastic's modules set their loggers' levels one by one (from LOGLEVEL), so each is quietened.
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+        forwarding = StopForwarding(stop_signals)
         try:
             results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
+            if forwarding.received:  # ranks still starting up die of the signal: nothing was trained
+                return {"stopped_by": forwarding.received, "step": None, "checkpoint": None}
             raise RankFailedError(describe_failure(e, run_dir)) from None
+        except SignalException:  # a second stop signal: the agent killed the ranks
+            return newest_checkpoint_report(f"{forwarding.received} (twice)", Path(run_dir) / cfg.checkpoint.dir)
+        finally:
+            forwarding.restore()
         return results.get(0)
+
+
+def newest_checkpoint_report(signal_name: str, checkpoint_root: Path) -> dict[str, Any]:
+    """The stop report when the ranks could not give theirs: what is on disk is what counts."""
+    from dtf.train.checkpoint import MARKER, committed  # only on this path: it loads torch.distributed.checkpoint
+
+    newest = committed(checkpoint_root)[:1]
+    if not newest:
+        return {"stopped_by": signal_name, "step": None, "checkpoint": None}
+    step = int(json.loads((newest[0] / MARKER).read_text())["step"])
+    return {"stopped_by": signal_name, "step": step, "checkpoint": str(newest[0])}
+
+
+class StopForwarding:
+    """Passes stop signals that reach this process (the agent) on to the ranks it started, which
+    agree on a step, save and return (dtf.train.stop). The ranks are this process's
+    multiprocessing children (elastic starts them with torch.multiprocessing). A second signal
+    to this process is the usual "I mean it": the agent kills the ranks without waiting."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.received: str | None = None
+        self._previous = {signal.Signals[n]: signal.signal(signal.Signals[n], self._forward) for n in names}
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:  # the agent kills the ranks at once; a save they were making stays uncommitted
+            raise SignalException(f"second stop signal {signum}", sigval=signal.SIGKILL)
+        self.received = signal.Signals(signum).name
+        for child in multiprocessing.active_children():
+            if child.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

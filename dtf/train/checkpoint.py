@@ -17,6 +17,7 @@ import pickle
 import random
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -173,24 +174,63 @@ def committed(root: Path) -> list[Path]:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, env: DistEnv, keep_last: int, strategy_name: str) -> None:
+    """Saves one checkpoint at a time. With async_save, DCP writes in a background thread (on
+    its own gloo group, so its collectives never interleave with training's); the marker is
+    written once every rank's part is done, which the ranks learn together at a step boundary
+    (dtf.train.control), or at the latest when the next save starts or the run ends."""
+
+    def __init__(self, root: Path, env: DistEnv, keep_last: int, strategy_name: str, async_save: bool = False) -> None:
         self.root = root
         self.env = env
         self.keep_last = keep_last
         self.strategy_name = strategy_name
+        self.async_save = async_save
+        multi = dist.is_initialized() and env.world_size > 1
+        self._upload_group = dist.new_group(backend="gloo") if async_save and multi else None
+        self._pending: tuple[int, Path, Future[Any]] | None = None
 
     def save(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
         """Collective: every rank calls it at the same step."""
-        path = self.root / f"{_PREFIX}{step:09d}"
+        self.finish()  # at most one save in flight: the one before is committed first
+        path = self.path_of(step)
         if self.env.is_main:
             if path.exists():  # a stale, uncommitted attempt at the same step (e.g. before a crash)
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         _barrier()
-        dcp.save(app_state, checkpoint_id=str(path))
         _torch_save_synced(rng_state(), path / f"rank_{self.env.rank}.pt")
         if self.env.is_main:
             _torch_save_synced(trainer_state, path / TRAINER_FILE)
+        if self.async_save:
+            # Returns once the state is copied to memory; the files are written in the background.
+            future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._upload_group)
+            self._pending = (step, path, future)  # type: ignore[assignment]
+        else:
+            dcp.save(app_state, checkpoint_id=str(path))
+            self._commit(step, path)
+        return path
+
+    def path_of(self, step: int) -> Path:
+        return self.root / f"{_PREFIX}{step:09d}"
+
+    @property
+    def upload_step(self) -> int | None:
+        """The step of the save still being written in the background, if any."""
+        return self._pending[0] if self._pending else None
+
+    def upload_done(self) -> bool:
+        return self._pending is not None and self._pending[2].done()
+
+    def finish(self) -> None:
+        """Collective: waits for the background save, if any, and commits it."""
+        if self._pending is None:
+            return
+        step, path, future = self._pending
+        self._pending = None
+        future.result()  # a failed write raises here, and the checkpoint is never committed
+        self._commit(step, path)
+
+    def _commit(self, step: int, path: Path) -> None:
         _barrier()  # every rank's files are on disk before the marker says so
         if self.env.is_main:
             files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
@@ -198,7 +238,6 @@ class Checkpointer:
             _fsync_write(path / MARKER, json.dumps(meta, indent=1).encode())
             self._prune()
         _barrier()
-        return path
 
     def _prune(self) -> None:
         """Delete all but the newest keep_last complete checkpoints (incomplete ones too: never loadable)."""

@@ -23,6 +23,7 @@ from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
 from dtf.train.checkpoint import Checkpointer, set_rng_state
+from dtf.train.control import StepControl
 from dtf.train.logging import Progress, TensorBoard
 from dtf.train.metrics import MeanMetric
 
@@ -86,6 +87,7 @@ class Trainer:
         checkpoint_every_n_steps: int | None = None,
         checkpoint_at_end: bool = False,
         lr_scale: float = 1.0,
+        control: StepControl | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -102,6 +104,9 @@ class Trainer:
         self.checkpoint_every_n_steps = checkpoint_every_n_steps
         self.checkpoint_at_end = checkpoint_at_end
         self.lr_scale = lr_scale  # what trainer.lr_scaling multiplied the LR by at this world size
+        self.control = control
+        self.stopped_at_step: int | None = None  # set when a stop signal ended the run early
+        self.save_blocked_s: list[float] = []  # how long each checkpoint held up the training loop
         self.global_step = 0
         self.epoch = 0
         self.start_batch = 0  # > 0 only for a run resumed in the middle of an epoch
@@ -169,15 +174,14 @@ class Trainer:
                     t_last = now
                     if self.global_step % self.s.log_every_n_steps == 0 or self.global_step == self.total_steps:
                         self._log_step(progress, train_loss)
-                    every = self.checkpoint_every_n_steps
-                    last = self.global_step >= self.total_steps
-                    if (every and self.global_step % every == 0) or (last and self.checkpoint_at_end):
-                        # Saved at the step boundary, before any end-of-epoch work: a resumed run
-                        # continues from this exact batch, as if it had never stopped.
-                        self.save_checkpoint(batch_in_epoch=i + 1)
-                        t_last = self._sync_time()  # the save is not a training step
-                    if self.global_step >= self.total_steps:
+                    saves = len(self.save_blocked_s)
+                    stop = self._at_step_boundary(batch_in_epoch=i + 1)
+                    if len(self.save_blocked_s) > saves:
+                        t_last = self._sync_time()  # a checkpoint save is not a training step
+                    if stop or self.global_step >= self.total_steps:
                         break
+                if self.stopped_at_step is not None:
+                    break  # the epoch's end (eval, metrics) is done by the resumed run
                 self.train_seconds += t_last - t_epoch
                 self.epoch += 1
                 self.last_train_loss = train_loss.compute()
@@ -192,8 +196,32 @@ class Trainer:
                     epoch_metrics["test/loss"] = self.last_test_loss
                 progress.write(line + " (all ranks)")
                 self.tb.scalars(self.global_step, epoch_metrics)
+            if self.checkpointer is not None:
+                self.checkpointer.finish()  # the last background save, if any, is committed
+            if self.control is not None:
+                self.control.close()
         finally:
             progress.close()
+
+    def _at_step_boundary(self, batch_in_epoch: int) -> bool:
+        """Checkpoints due at this step, and the stop protocol. True when the run must stop here."""
+        ck = self.checkpointer
+        agreed = self.control.exchange(ck.upload_step, ck.upload_done()) if self.control and ck else None
+        if agreed and ck and agreed.committed_step is not None and agreed.committed_step == ck.upload_step:
+            ck.finish()  # every rank has written its part: commit without waiting for anything
+        every = self.checkpoint_every_n_steps
+        last = self.global_step >= self.total_steps
+        due = bool(every and self.global_step % every == 0) or (last and self.checkpoint_at_end)
+        stop = agreed is not None and agreed.stop and not last
+        if due or stop:
+            # Saved at the step boundary, before any end-of-epoch work: a resumed run
+            # continues from this exact batch, as if it had never stopped.
+            t0 = time.perf_counter()
+            self.save_checkpoint(batch_in_epoch)
+            self.save_blocked_s.append(time.perf_counter() - t0)
+        if stop:
+            self.stopped_at_step = self.global_step
+        return stop
 
     def _optimizer_step(self) -> None:
         if self.s.grad_clip_norm is not None:
@@ -366,6 +394,9 @@ class Trainer:
             "test_loss_per_epoch": self.test_loss_curve,
             "samples_per_sec": total_samples / self.train_seconds if self.train_seconds > 0 else None,
             "step_time_s": self.median_step_time(),
+            # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
+            "checkpoint_blocked_s": statistics.median(self.save_blocked_s) if self.save_blocked_s else None,
+            "checkpoints_saved": len(self.save_blocked_s),
             "model_state_bytes": [g["bytes"] for g in gathered],
             "params_sha256": digest,
             # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import DtfRun, run_dtf
+from dtf.train.checkpoint import MARKER, committed, is_complete
+from dtf.train.stop import EXIT_STOPPED
+from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.
 COMMON = [
@@ -27,6 +37,9 @@ STRATEGIES = {
     "zero3": ["strategy=zero", "strategy.stage=3"],
     "fsdp": ["strategy=fsdp"],
     "mics": ["strategy=mics", "strategy.partition_group_size=2", "launcher.nproc=4"],
+    # written in the background, committed once every rank is done
+    "ddp_async": ["strategy=ddp", "checkpoint.async_save=true"],
+    "fsdp_async": ["strategy=fsdp", "checkpoint.async_save=true"],
 }
 
 
@@ -34,6 +47,15 @@ STRATEGIES = {
 def straight_ddp(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     """The uninterrupted reference run of COMMON (DDP on 2 ranks, N steps)."""
     return _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path_factory.mktemp("straight") / "run"))
+
+
+FAILING = ["model._target_=user_models.FailingModel", *COMMON, f"trainer.max_steps={N}"]
+
+
+@pytest.fixture(scope="module")
+def straight_failing(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
+    """The uninterrupted reference for runs of FailingModel (whose failure is switched off here)."""
+    return _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path_factory.mktemp("straight_failing") / "run"))
 
 
 def _ok(run: DtfRun) -> DtfRun:
@@ -55,6 +77,8 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
         "ddp",
         "zero1",
         "fsdp",
+        "ddp_async",
+        pytest.param("fsdp_async", marks=pytest.mark.slow),
         pytest.param("zero2", marks=pytest.mark.slow),
         pytest.param("zero3", marks=pytest.mark.slow),
         pytest.param("mics", marks=pytest.mark.slow),
@@ -64,7 +88,11 @@ def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
     tmp_path: Path, name: str, straight_ddp: DtfRun
 ) -> None:
     args = [*COMMON, *STRATEGIES[name]]
-    straight = straight_ddp if name == "ddp" else _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
+    straight = (
+        straight_ddp
+        if name in ("ddp", "ddp_async")
+        else _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
+    )
     first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed"))
     assert first.summary["resumed_from_step"] is None
     resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
@@ -83,18 +111,35 @@ def test_resume_restores_every_ranks_random_streams(tmp_path: Path) -> None:
     _same_run(resumed, straight)
 
 
-def test_a_restarted_run_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
-    model = ["model._target_=user_models.FailingModel", *COMMON, f"trainer.max_steps={N}"]
-    clean = _ok(run_dtf([*model, "+model.fail_rank=-1"], tmp_path / "clean"))
+def test_a_restarted_run_resumes_from_its_newest_checkpoint(tmp_path: Path, straight_failing: DtfRun) -> None:
     # rank 1 dies at its 75th forward of the first attempt; the agent restarts both ranks
     restarted = _ok(
         run_dtf(
-            [*model, "+model.fail_at_call=75", "+model.first_attempt_only=true", "launcher.max_restarts=1"],
+            [*FAILING, "+model.fail_at_call=75", "+model.first_attempt_only=true", "launcher.max_restarts=1"],
             tmp_path / "restarted",
         )
     )
     assert restarted.summary["resumed_from_step"] == 60  # the newest checkpoint before the failure
-    _same_run(restarted, clean)
+    _same_run(restarted, straight_failing)
+
+
+@pytest.mark.parametrize("how", ["agent:SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_saves_the_step_reached_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, how: str, straight_failing: DtfRun
+) -> None:
+    # agent:SIGTERM reaches the launcher, which passes it on to the ranks; SIGUSR1 reaches rank 1 only
+    stopped = run_dtf([*FAILING, "+model.fail_at_call=75", f"+model.how={how}"], tmp_path / "run")
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"dtf: stopped by (\S+).* at step (\d+), saved (\S+); continue with the same command .*", last)
+    assert found, last
+    signal_name, step, saved = found.group(1), int(found.group(2)), Path(found.group(3))
+    assert signal_name == ("SIGTERM" if how == "agent:SIGTERM" else "a")  # rank 0 was not the one signalled
+    assert 60 < step < N and saved == tmp_path / "run" / "checkpoints" / f"step_{step:09d}"
+    assert is_complete(saved)[0] and not (tmp_path / "run" / "summary.json").exists()
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run"))
+    assert resumed.summary["resumed_from_step"] == step
+    _same_run(resumed, straight_failing)
 
 
 def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
@@ -149,3 +194,51 @@ def test_resume_onto_another_world_size_and_strategy(tmp_path: Path, straight_dd
     from dtf.models.approximator import Approximator
 
     Approximator().load_state_dict(weights)  # the export is a plain state dict
+
+
+def _steps(ckpts: Path) -> list[int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torn checkpoints are expected here
+        return sorted(int(p.name.removeprefix("step_")) for p in committed(ckpts))
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_complete_checkpoint(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # Each forward sleeps, so the run trains for seconds and the kills land all over it.
+    args = [*FAILING, "+model.fail_rank=-1", "+model.delay_s=0.05", "checkpoint.every_n_steps=5"]
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}"]
+    rng = random.Random(20261122)
+    torn = 0
+    for trial in range(4):
+        before = _steps(ckpts)
+        log = tmp_path / f"trial{trial}.log"
+        with open(log, "w") as out:
+            # its own session: the kill takes the whole run (driver, agent and ranks), as a lost node would
+            proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=dtf_env(), start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "rank(s), strategy=" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # set up (and resumed, if there was a checkpoint)
+        if trial % 2:  # during a save: the moment a step folder without its marker appears
+            while proc.poll() is None and time.monotonic() < deadline:
+                if any(not (p / MARKER).exists() for p in ckpts.glob("step_*") if int(p.name[5:]) not in before):
+                    break
+                time.sleep(0.001)
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        after = _steps(ckpts)
+        torn += any(not (p / MARKER).exists() for p in ckpts.glob("step_*"))
+        # the newest complete checkpoint never goes backwards, and a resume would pick it
+        assert (after or [-1])[-1] >= (before or [-1])[-1], log.read_text()[-2000:]
+        if before:
+            assert f"resumed from {ckpts / f'step_{before[-1]:09d}'}" in log.read_text()
+    assert torn >= 1, "no kill landed during a save: the trials did not test what they claim"
+    newest = _steps(ckpts)[-1]
+    final = _ok(run_dtf(args, run_dir))
+    assert final.summary["resumed_from_step"] == newest
+    _same_run(final, straight_failing)

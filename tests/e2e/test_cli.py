@@ -123,6 +123,7 @@ def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:
         (["optimizer.lr=-1"], "optimizer.lr"),
         (["data.batch_size=0"], "data.batch_size"),
         (["model._target_=mypkg.nets.Missing"], "model._target_"),
+        (["checkpoint.stop_signals=[SIGTERM,SIGSTOP]"], "checkpoint.stop_signals"),
     ],
 )
 def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: str) -> None:  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -12,8 +13,11 @@ from torch.utils.data import TensorDataset
 
 
 class FailingModel(nn.Module):
-    """Fails on one rank at its n-th forward: raises, or dies of SIGKILL (how = "raise" | "kill").
-    With first_attempt_only, only the first attempt fails (a restarted run goes through)."""
+    """Fails on one rank at its n-th forward (training and evaluation calls both count):
+    how = "raise", "kill" (dies of SIGKILL), "SIG<NAME>" (sends itself that signal) or
+    "agent:SIG<NAME>" (sends it to its parent, the launcher's agent). With first_attempt_only,
+    only the first attempt fails (a restarted run goes through). Every forward sleeps delay_s
+    (after a signal at least 50 ms), so that outside events can land in the middle of a run."""
 
     def __init__(
         self,
@@ -21,12 +25,14 @@ class FailingModel(nn.Module):
         fail_at_call: int = 3,
         how: str = "raise",
         first_attempt_only: bool = False,
+        delay_s: float = 0.0,
         **unused: object,
     ) -> None:
         super().__init__()
         self.lin = nn.Linear(2, 1)
         self.fail_rank, self.fail_at_call, self.how = fail_rank, fail_at_call, how
         self.first_attempt_only = first_attempt_only
+        self.delay_s = delay_s
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +42,14 @@ class FailingModel(nn.Module):
         if armed and int(os.environ.get("RANK", "0")) == self.fail_rank and self.calls == self.fail_at_call:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure on rank {self.fail_rank}")
+            elif self.how.startswith(("SIG", "agent:SIG")):
+                target = os.getppid() if self.how.startswith("agent:") else os.getpid()
+                os.kill(target, signal.Signals[self.how.split(":")[-1]])
+                self.delay_s = max(self.delay_s, 0.05)  # the run must not end before the signal is acted on
+            else:
+                raise RuntimeError(f"injected failure on rank {self.fail_rank}")
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self.lin(x)
 
 

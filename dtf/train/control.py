@@ -1,0 +1,67 @@
+"""Decisions all ranks must take at the same step: stop now (a signal reached some rank), and
+commit the checkpoint being written in the background (every rank has finished its part).
+
+Each step boundary posts this rank's view as one small all-reduce on a dedicated gloo group
+and reads the result posted at the previous boundary, so the loop never waits for it (the
+answer arrives a step late: "the next step boundary"). The dedicated group keeps these
+collectives out of the strategy's own stream of collectives, and on GPUs off NCCL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dtf.train.stop import StopRequest
+
+
+@dataclass(frozen=True)
+class Agreement:
+    stop: bool  # some rank received a stop signal
+    committed_step: int | None  # the background save of this step has finished on every rank
+
+
+class StepControl:
+    def __init__(self, stop_request: StopRequest, world_size: int) -> None:
+        self.stop_request = stop_request
+        self.world_size = world_size
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        self._posted: torch.Tensor | None = None
+        self._work: dist.Work | None = None
+
+    def exchange(self, upload_step: int | None, upload_done: bool) -> Agreement:
+        """Called by every rank at every step boundary. upload_step: the step of this rank's
+        checkpoint still being written in the background (None if none); upload_done: whether
+        its part of that save has finished."""
+        previous = self._receive()
+        view = torch.tensor(
+            [
+                1.0 if self.stop_request.requested else 0.0,
+                0.0 if upload_step is None or upload_done else 1.0,  # ranks still writing
+                -1.0 if upload_step is None else float(upload_step),
+            ],
+            dtype=torch.float64,
+        )
+        if self.group is not None:
+            self._work = dist.all_reduce(view, group=self.group, async_op=True)
+        self._posted = view
+        return previous
+
+    def _receive(self) -> Agreement:
+        if self._posted is None:
+            return Agreement(stop=False, committed_step=None)
+        if self._work is not None:
+            self._work.wait()
+        stop, writing, step_sum = self._posted.tolist()
+        # The same save on every rank (saves start at the same boundary everywhere), finished by all.
+        step = step_sum / self.world_size
+        committed = int(step) if step >= 0 and step.is_integer() and writing == 0 else None
+        return Agreement(stop=stop > 0, committed_step=committed)
+
+    def close(self) -> None:
+        """Waits for the last posted exchange, so no collective is left in flight."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None

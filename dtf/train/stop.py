@@ -1,0 +1,43 @@
+"""Stop requests by signal: what SLURM (and schedulers like it) send before preemption or the
+time limit. A handler only records the request; the training loop acts on it at a step
+boundary that all ranks agree on (dtf.train.control), saves one checkpoint and ends the
+run with EXIT_STOPPED, which a launcher can turn into a requeue.
+
+Standard library only: the driver imports it to validate and to report.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+# EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
+EXIT_STOPPED = 75
+STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
+class StopRequest:
+    """Installs handlers for the named signals (main thread only) and remembers the first one."""
+
+    def __init__(self, names: list[str] | tuple[str, ...]) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[signal.Signals, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; nothing to catch here
+        for name in names:
+            sig = signal.Signals[name]
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
