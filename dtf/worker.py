@@ -184,7 +184,15 @@ def train(
         strategy=cfg.strategy.name,
         strategy_settings=OmegaConf.to_container(cfg.strategy),
         launcher=cfg.launcher.name,
+        data_samples=train_data.num_samples,
+        data_batches_per_epoch=len(train_data),
+        data_dropped_per_epoch=train_data.num_dropped_per_epoch,  # over all ranks
+        data_repeated_per_epoch=train_data.num_repeated_per_epoch,
     )
+    if "SLURM_JOB_ID" in os.environ:  # proof of where it ran, for sacct / scontrol
+        summary.update(
+            slurm_job_id=os.environ["SLURM_JOB_ID"], slurm_restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        )
     if t.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
         summary["weights_file"] = WEIGHTS_FILE

@@ -97,6 +97,57 @@ class LoaderDataConfig:
     pin_memory: bool = False
 
 
+class Remainder(str, Enum):
+    """Rows left after cutting every rank's share into equal full batches."""
+
+    drop = "drop"  # not used this epoch (with shuffling, other rows every epoch)
+    pad = "pad"  # each rank repeats some of its own rows to fill one more batch
+
+
+class PetastormReader(str, Enum):
+    auto = "auto"  # make_reader for a Petastorm dataset (Unischema), make_batch_reader for plain Parquet
+    make_reader = "make_reader"
+    make_batch_reader = "make_batch_reader"
+
+
+class ReaderPool(str, Enum):
+    thread = "thread"
+    process = "process"
+    dummy = "dummy"  # in the training process itself (debugging)
+
+
+@dataclass
+class PetastormDataConfig:
+    """Parquet or a Petastorm dataset read through Petastorm, with the same number of batches on every rank."""
+
+    # The training data: a Parquet file or directory, or a Petastorm dataset, as a local path or a
+    # URL (file://, hdfs://, s3://, gs://, ... whatever Petastorm and fsspec resolve).
+    path: str = MISSING
+    # Test data, evaluated with every row counted exactly once (null: no evaluation).
+    test_path: str | None = None
+    # The model input: one column as stored (with its shape), or several flattened and concatenated.
+    feature_columns: list[str] = field(default_factory=lambda: ["features"])
+    label_column: str = "label"
+    # A callable by _target_ (_partial_: true) applied to every (features, labels) batch, e.g. a reshape.
+    transform: Any = None
+    # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
+    batch_size: int = 32
+    # Defaults to batch_size.
+    eval_batch_size: int | None = None
+    # Seeded by trainer.seed and different every epoch.
+    shuffle_row_groups: bool = True
+    shuffle_rows: bool = True
+    remainder: Remainder = Remainder.drop
+    reader: PetastormReader = PetastormReader.auto
+    reader_pool_type: ReaderPool = ReaderPool.thread
+    # Row groups read in parallel (per rank).
+    workers_count: int = 2
+    # Row groups read ahead of training (per rank).
+    results_queue_size: int = 8
+    # fsspec options for remote URLs (endpoint, credentials, ...).
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class DDPStrategyConfig:
     name: str = "ddp"
@@ -163,4 +214,51 @@ class LocalLauncherConfig:
     # Echo the other ranks' output to the console too (it always goes to <run_dir>/logs).
     tee_all_ranks: bool = False
     # Extra environment variables for every rank (e.g. OMP_NUM_THREADS).
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SparkLauncherConfig:
+    """Ranks as the tasks of one Spark barrier stage."""
+
+    name: str = "spark"
+    # Any Spark master URL: local[N], local-cluster[N,cores,MB], spark://host:port, yarn, k8s://...
+    master: str = "local[2]"
+    # Ranks = barrier tasks; the cluster needs this many free task slots at once.
+    nproc: int = 2
+    app_name: str = "dtf"
+    # Extra Spark settings for the session dtf creates ({spark.executor.memory: 4g, ...}).
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    # Extra environment variables for every rank.
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SlurmLauncherConfig:
+    """One SLURM job, one task per rank, submitted with submitit (or run in place inside an allocation)."""
+
+    name: str = "slurm"
+    nodes: int = 1
+    # Ranks per node (SLURM tasks).
+    tasks_per_node: int = 2
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    mem_gb: int | None = None
+    partition: str | None = None
+    # The job's time limit in minutes.
+    time_min: int | None = 60
+    account: str | None = None
+    qos: str | None = None
+    # Any other sbatch option, without the dashes: {constraint: v100, exclusive: true, ...}
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    # Shell lines run in the job before the ranks start (module load ..., source ...).
+    setup: list[str] = field(default_factory=list)
+    # Stream rank 0's output and end with the job's status; false: print the job id and return.
+    wait: bool = True
+    # What SLURM sends signal_delay_s before the time limit (and what `scancel --signal` should send):
+    # the ranks checkpoint and stop, and with requeue the job goes back in the queue and resumes.
+    signal: str = "SIGUSR1"
+    signal_delay_s: int = 120
+    requeue: bool = True
+    # Extra environment variables for every rank.
     env: dict[str, str] = field(default_factory=dict)

@@ -10,11 +10,14 @@ SCHEMAS = {
     "schema_trainer": schema.TrainerConfig,
     "schema_checkpoint": schema.CheckpointConfig,
     "schema_data_loader": schema.LoaderDataConfig,
+    "schema_data_petastorm": schema.PetastormDataConfig,
     "schema_strategy_ddp": schema.DDPStrategyConfig,
     "schema_strategy_zero": schema.ZeroStrategyConfig,
     "schema_strategy_fsdp": schema.FSDPStrategyConfig,
     "schema_strategy_mics": schema.MicsStrategyConfig,
     "schema_launcher_local": schema.LocalLauncherConfig,
+    "schema_launcher_slurm": schema.SlurmLauncherConfig,
+    "schema_launcher_spark": schema.SparkLauncherConfig,
 }
 
 

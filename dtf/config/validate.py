@@ -37,7 +37,9 @@ def validate(cfg: DictConfig) -> None:
         _check_known_keys(cfg[section], section)
     _check_trainer(cfg.trainer)
     _check_data(cfg.data)
-    _check_launcher(cfg.launcher)
+    if "path" in cfg.data.keys():  # noqa: SIM118 - data=petastorm; `in` alone misses a path that is still ???
+        _check_petastorm_data(cfg)
+    _check_launcher(cfg.launcher, cfg.checkpoint)
     _check_checkpoint(cfg.checkpoint)
     _check_strategy(cfg)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
@@ -121,6 +123,17 @@ def _check_data(d: DictConfig) -> None:
         _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the rank) or more")
 
 
+def _check_petastorm_data(cfg: DictConfig) -> None:
+    """data=petastorm, from the Parquet metadata only: files readable, columns present, and a full
+    batch for every rank. The ranks check the same again (they may see other files)."""
+    d = cfg.data
+    _require(d.workers_count >= 1, "data.workers_count", d.workers_count, "use 1 or more reader workers")
+    _require(d.results_queue_size >= 1, "data.results_queue_size", d.results_queue_size, "use 1 or more")
+    from dtf.data.parquet_source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
+
+    open_sources(d, expected_world_size(cfg))
+
+
 def _check_checkpoint(c: DictConfig) -> None:
     _require(
         c.every_n_steps is None or c.every_n_steps >= 1,
@@ -144,7 +157,18 @@ def _check_checkpoint(c: DictConfig) -> None:
         resolve_resume(c.resume, Path(c.resume))  # a named checkpoint must exist and be complete
 
 
-def _check_launcher(launcher: DictConfig) -> None:
+def _check_launcher(launcher: DictConfig, checkpoint: DictConfig) -> None:
+    for key in ("nodes", "tasks_per_node", "cpus_per_task"):
+        if key in launcher:
+            _require(launcher[key] >= 1, f"launcher.{key}", launcher[key], "use 1 or more")
+    if "signal" in launcher:
+        _require(
+            launcher.signal in checkpoint.stop_signals,
+            "launcher.signal",
+            launcher.signal,
+            f"it must be one of checkpoint.stop_signals ({', '.join(checkpoint.stop_signals)}), or the ranks "
+            "would die of it instead of saving",
+        )
     if "nproc" in launcher:
         _require(
             launcher.nproc >= 1, "launcher.nproc", launcher.nproc, "start at least one rank, e.g. launcher.nproc=2"
@@ -159,8 +183,8 @@ def expected_world_size(cfg: DictConfig) -> int | None:
     """The number of ranks the launcher will start, when the driver can know it."""
     if dist_env.launched_externally():
         return int(os.environ["WORLD_SIZE"])
-    nproc = cfg.launcher.get("nproc")
-    return None if nproc is None else int(nproc) * int(cfg.launcher.get("nodes", 1))
+    per_node = cfg.launcher.get("nproc", cfg.launcher.get("tasks_per_node"))
+    return None if per_node is None else int(per_node) * int(cfg.launcher.get("nodes", 1))
 
 
 def _check_strategy(cfg: DictConfig) -> None:

@@ -1,11 +1,13 @@
-"""Map-style datasets through torch's DataLoader, sharded across ranks."""
+"""The data of a run: the interface the trainer uses, and map-style datasets through torch's
+DataLoader, sharded across ranks. `data=petastorm` (a `path` instead of a `dataset`) is
+built by dtf.data.parquet behind the same interface."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from hydra.utils import instantiate
@@ -15,6 +17,54 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dtf.data.even import EvalShardSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+
+
+class TrainData(Protocol):
+    """What the trainer needs of the training data, whatever reads it."""
+
+    batch_size: int
+    position_survives_world_size_change: bool
+
+    def __len__(self) -> int:
+        """Batches per epoch, identical on every rank."""
+        ...
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's batches of the current epoch, from its start batch on."""
+        ...
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Position: a pure function of (seed, epoch, start_batch, rank, world size), so resuming is exact."""
+        ...
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (rows) in the training set."""
+        ...
+
+    @property
+    def num_dropped_per_epoch(self) -> int:
+        """Samples of the data set left out of an epoch, over all ranks."""
+        ...
+
+    @property
+    def num_repeated_per_epoch(self) -> int:
+        """Samples used twice in an epoch (padding), over all ranks."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+class EvalData(Protocol):
+    """What the trainer needs of the test data: equal batch counts, padding marked per batch."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def num_real_in_batch(self, batch_index: int) -> int:
+        """Samples of batch batch_index that are real (a prefix); the rest is padding."""
+        ...
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -35,13 +85,15 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 @dataclass
-class TrainData:
+class LoaderTrainData:
     """One epoch of this rank's batches; len() (a whole epoch) is identical on every rank."""
 
     loader: DataLoader
     sampler: ResumableDistributedSampler
     batch_size: int
     batches_per_epoch: int
+    # The samples consumed mid-epoch are a prefix of the sampler's global order, on any world size.
+    position_survives_world_size_change = True
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -57,9 +109,31 @@ class TrainData:
     def num_samples(self) -> int:
         return len(self.sampler.dataset)  # type: ignore[arg-type]
 
+    @property
+    def _left_out_of_last_batch(self) -> int:
+        """Per rank: samples the DataLoader's drop_last cuts off."""
+        return self.sampler.num_samples - self.batches_per_epoch * self.batch_size if self.loader.drop_last else 0
+
+    @property
+    def num_dropped_per_epoch(self) -> int:
+        cut = max(0, self.num_samples - self.sampler.total_size)  # DistributedSampler(drop_last=True)
+        return cut + self.sampler.num_replicas * self._left_out_of_last_batch
+
+    @property
+    def num_repeated_per_epoch(self) -> int:
+        return max(0, self.sampler.total_size - self.num_samples)  # DistributedSampler pads with repeats
+
+    def describe(self) -> str:
+        text = f"{self.num_samples} samples, {len(self)} batches per rank per epoch"
+        if self.num_dropped_per_epoch:
+            text += f", {self.num_dropped_per_epoch} samples dropped per epoch"
+        if self.num_repeated_per_epoch:
+            text += f", {self.num_repeated_per_epoch} samples repeated per epoch"
+        return text
+
 
 @dataclass
-class EvalData:
+class LoaderEvalData:
     """This rank's test batches; equal count on every rank, padding marked by num_real_in_batch."""
 
     loader: DataLoader
@@ -89,7 +163,22 @@ def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
 
 
 def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData | None]:
+    if "path" in cfg.keys():  # noqa: SIM118 - data=petastorm (keys(): also a path still ???)
+        from dtf.data import parquet  # petastorm and pyarrow: only for runs that read Parquet
+
+        return parquet.build(cfg, env, seed)
+    return build_loader(cfg, env, seed)
+
+
+def build_loader(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[LoaderTrainData, LoaderEvalData | None]:
     train_set, test_set = split_datasets(cfg.dataset)
+    return from_datasets(train_set, test_set, cfg, env, seed)
+
+
+def from_datasets(
+    train_set: Dataset, test_set: Dataset | None, cfg: DictConfig, env: DistEnv, seed: int
+) -> tuple[LoaderTrainData, LoaderEvalData | None]:
+    """DataLoaders over already built datasets, with the settings of cfg (all but cfg.dataset)."""
     if len(train_set) < env.world_size:  # type: ignore[arg-type]
         raise UserError(
             f"data.dataset has {len(train_set)} training samples for {env.world_size} ranks: "  # type: ignore[arg-type]
@@ -118,7 +207,7 @@ def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData
             f"data.batch_size={cfg.batch_size} with drop_last leaves no batch for a rank "
             f"({len(sampler)} samples each): lower data.batch_size or set data.drop_last=false"
         )
-    train = TrainData(train_loader, sampler, cfg.batch_size, len(train_loader))
+    train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader))
     if test_set is None:
         return train, None
     eval_bs = cfg.eval_batch_size or cfg.batch_size
@@ -126,8 +215,8 @@ def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData
     test_loader = DataLoader(
         test_set, batch_size=eval_bs, sampler=eval_sampler, generator=torch.Generator().manual_seed(seed), **common
     )
-    return train, EvalData(test_loader, eval_sampler, eval_bs)
+    return train, LoaderEvalData(test_loader, eval_sampler, eval_bs)
 
 
 def describe(data: TrainData) -> str:
-    return f"{data.num_samples} samples, {len(data)} batches per rank per epoch"
+    return data.describe()

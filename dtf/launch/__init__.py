@@ -6,9 +6,13 @@ from omegaconf import DictConfig
 
 from dtf.launch.base import Launcher
 from dtf.launch.local import LocalLauncher
+from dtf.launch.slurm import SlurmLauncher
+from dtf.launch.spark import SparkLauncher
 
 REGISTRY: dict[str, type[Launcher]] = {
     "local": LocalLauncher,
+    "slurm": SlurmLauncher,
+    "spark": SparkLauncher,
 }
 
 

@@ -314,7 +314,14 @@ class Trainer:
         per_batch = self.train_data.batch_size * self.env.world_size
         self.start_batch = consumed // per_batch
         notes = []
-        if consumed % per_batch:
+        mid_epoch = state["batch_in_epoch"] % len(self.train_data) != 0
+        if saved_world != self.env.world_size and mid_epoch and not self.train_data.position_survives_world_size_change:
+            notes.append(
+                f"the world size changed ({saved_world} -> {self.env.world_size}) in the middle of epoch "
+                f"{self.epoch + 1}: this data is read in per-rank shares, so for the rest of that epoch some "
+                "samples are seen twice and others not at all; later epochs are whole"
+            )
+        elif consumed % per_batch:
             notes.append(
                 f"the global batch changed ({state['samples_per_batch']} -> {per_batch} samples): "
                 f"{consumed % per_batch} samples of epoch {self.epoch + 1} are seen twice"

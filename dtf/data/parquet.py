@@ -1,0 +1,252 @@
+"""`data=petastorm`: Parquet or a Petastorm dataset as train and test batches, equal in number on every rank.
+
+Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet_plan),
+reads the row groups its share touches through Petastorm (dtf.data.parquet_reader) and
+cuts them into (features, labels) batches, the shape the default training step expects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from dtf.data.parquet_plan import (
+    EpochOrder,
+    Segment,
+    batches_per_rank,
+    eval_share,
+    remainder_rows,
+    skip_rows,
+    train_share,
+)
+from dtf.data.parquet_reader import Columns, ReaderOptions, read_segments
+from dtf.data.parquet_source import ParquetSource, open_sources, storage_options
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+
+Batch = Any
+Transform = Callable[[Batch], Batch]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which columns make the features and the label, and the per-row shapes to give them."""
+
+    feature_columns: tuple[str, ...]
+    label_column: str
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> list[str]:
+        return [*dict.fromkeys([*self.feature_columns, self.label_column])]
+
+    def _shaped(self, values: np.ndarray, name: str) -> np.ndarray:
+        shape = self.shapes.get(name)
+        if shape is None or values.shape[1:] == shape:
+            return values
+        if math.prod(values.shape[1:]) != math.prod(shape):
+            raise UserError(f"column {name!r} holds {values.shape[1:]} values per row, not the stored shape {shape}")
+        return values.reshape(len(values), *shape)
+
+    def arrays(self, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
+        features = [self._shaped(cols[name], name) for name in self.feature_columns]
+        # Several columns: one flat feature vector per row (a transform can reshape it).
+        x = features[0] if len(features) == 1 else np.concatenate([f.reshape(len(f), -1) for f in features], axis=1)
+        y = self._shaped(cols[self.label_column], self.label_column)
+        return _as_torch_dtype(x, "data.feature_columns"), _as_torch_dtype(y, "data.label_column")
+
+
+def _as_torch_dtype(values: np.ndarray, key: str) -> np.ndarray:
+    """Floats in torch's default dtype (the model's), integers as int64 (class indices), writable."""
+    if values.dtype.kind == "f":
+        target = torch.empty(0).numpy().dtype  # torch's default float dtype, as numpy's
+    elif values.dtype.kind in "iu":
+        target = np.dtype(np.int64)
+    elif values.dtype.kind == "b":
+        target = np.dtype(np.bool_)
+    else:
+        raise UserError(f"{key}: values of type {values.dtype} cannot become a tensor; use numeric columns")
+    # Arrow's zero-copy arrays are read-only, which torch.from_numpy warns about: copy those.
+    return values.astype(target, copy=not values.flags.writeable)
+
+
+def cut_batches(
+    chunks: Iterator[tuple[np.ndarray, np.ndarray]], batch_size: int, keep_last_partial: bool
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of batch_size rows from a stream of row chunks; a batch may span chunks."""
+    carry_x: list[np.ndarray] = []
+    carry_y: list[np.ndarray] = []
+    carried = 0
+    for x, y in chunks:
+        i = 0
+        if carried:
+            take = min(batch_size - carried, len(x))
+            carry_x.append(x[:take])
+            carry_y.append(y[:take])
+            carried += take
+            i = take
+            if carried < batch_size:
+                continue
+            yield torch.from_numpy(np.concatenate(carry_x)), torch.from_numpy(np.concatenate(carry_y))
+            carry_x, carry_y, carried = [], [], 0
+        while len(x) - i >= batch_size:  # whole batches inside one chunk: views, no copy
+            yield torch.from_numpy(x[i : i + batch_size]), torch.from_numpy(y[i : i + batch_size])
+            i += batch_size
+        if i < len(x):
+            carry_x, carry_y, carried = [x[i:]], [y[i:]], len(x) - i
+    if carried and keep_last_partial:
+        yield torch.from_numpy(np.concatenate(carry_x)), torch.from_numpy(np.concatenate(carry_y))
+
+
+@dataclass
+class _Stream:
+    """What both train and test data need to turn planned segments into batches."""
+
+    source: ParquetSource
+    layout: BatchLayout
+    reader: ReaderOptions
+    transform: Transform | None
+
+    def batches(self, segments: Sequence[Segment], batch_size: int, keep_last_partial: bool) -> Iterator[Batch]:
+        rows = read_segments(self.source, segments, self.layout.columns, self.reader)
+        chunks = (self.layout.arrays(cols) for cols in rows)
+        for batch in cut_batches(chunks, batch_size, keep_last_partial):
+            yield self.transform(batch) if self.transform is not None else batch
+
+
+@dataclass
+class ParquetTrainData:
+    """One epoch of this rank's batches; len() (a whole epoch) is identical on every rank."""
+
+    stream: _Stream
+    rank: int
+    world_size: int
+    batch_size: int
+    seed: int
+    shuffle_row_groups: bool
+    shuffle_rows: bool
+    pad: bool
+    epoch: int = 0
+    start_batch: int = 0
+    # Each rank reads a contiguous share of the epoch, so the rows consumed mid-epoch are not a
+    # prefix of one global order: on another world size that epoch's position is approximate.
+    position_survives_world_size_change = False
+
+    def __len__(self) -> int:
+        return batches_per_rank(self.num_samples, self.world_size, self.batch_size, self.pad)
+
+    @property
+    def num_samples(self) -> int:
+        return self.stream.source.num_rows
+
+    @property
+    def num_dropped_per_epoch(self) -> int:
+        """Rows of the data set not used in an epoch (all ranks)."""
+        return 0 if self.pad else remainder_rows(self.num_samples, self.world_size, self.batch_size, pad=False)
+
+    @property
+    def num_repeated_per_epoch(self) -> int:
+        """Rows used twice in an epoch (all ranks), to fill every rank's last batch."""
+        return remainder_rows(self.num_samples, self.world_size, self.batch_size, pad=True) if self.pad else 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def segments(self) -> list[Segment]:
+        """This rank's rows for the current epoch from start_batch on: a pure function of the settings."""
+        order = EpochOrder(
+            self.stream.source.piece_rows, self.seed, self.epoch, self.shuffle_row_groups, self.shuffle_rows
+        )
+        share = train_share(order, self.world_size, self.rank, self.batch_size, self.pad)
+        return skip_rows(share, self.start_batch * self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.stream.batches(self.segments(), self.batch_size, keep_last_partial=False)
+
+    def describe(self) -> str:
+        if self.pad:
+            rest = f"{self.num_repeated_per_epoch} rows repeated per epoch (data.remainder=pad)"
+        else:
+            rest = f"{self.num_dropped_per_epoch} rows dropped per epoch (data.remainder=drop)"
+        kind = "make_reader" if self.stream.reader.row_reader else "make_batch_reader"
+        return f"{self.stream.source.describe()} via petastorm {kind}, {len(self)} batches per rank per epoch, {rest}"
+
+
+@dataclass
+class ParquetEvalData:
+    """This rank's test batches: equal count on every rank, padding marked by num_real_in_batch."""
+
+    stream: _Stream
+    batch_size: int
+    segments: list[Segment]
+    num_real: int
+
+    def __len__(self) -> int:
+        return math.ceil(sum(len(s) for s in self.segments) / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.stream.batches(self.segments, self.batch_size, keep_last_partial=True)
+
+    def num_real_in_batch(self, batch_index: int) -> int:
+        return max(0, min(self.batch_size, self.num_real - batch_index * self.batch_size))
+
+
+def _value(option: Any) -> str:
+    return str(getattr(option, "value", option))
+
+
+def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
+    """Ranks that see different files would plan different epochs and hang in the first mismatched collective."""
+    if not dist.is_initialized() or env.world_size == 1:
+        return
+    seen: list[Any] = [None] * env.world_size
+    dist.all_gather_object(seen, fingerprint)
+    if any(other != seen[0] for other in seen):
+        raise UserError(
+            f"data.path: the ranks see different data ({'; '.join(f'rank {r}: {s}' for r, s in enumerate(seen))}): "
+            "give every node the same files"
+        )
+
+
+def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+    source, test = open_sources(cfg, env.world_size)
+    _check_same_everywhere(f"{source.fingerprint()}; test: {test.fingerprint() if test else None}", env)
+    features = list(cfg.feature_columns)
+    storage = storage_options(cfg)
+    kind = _value(cfg.reader)
+    transform = instantiate(cfg.transform) if cfg.transform else None
+
+    def stream(src: ParquetSource) -> _Stream:
+        row_reader = src.has_unischema if kind == "auto" else kind == "make_reader"
+        reader = ReaderOptions(
+            row_reader=row_reader,
+            pool_type=_value(cfg.reader_pool_type),
+            workers_count=cfg.workers_count,
+            results_queue_size=cfg.results_queue_size,
+            storage_options=storage,
+        )
+        return _Stream(src, BatchLayout(tuple(features), cfg.label_column, dict(src.shapes)), reader, transform)
+
+    train = ParquetTrainData(
+        stream(source),
+        rank=env.rank,
+        world_size=env.world_size,
+        batch_size=cfg.batch_size,
+        seed=seed,
+        shuffle_row_groups=cfg.shuffle_row_groups,
+        shuffle_rows=cfg.shuffle_rows,
+        pad=_value(cfg.remainder) == "pad",
+    )
+    if test is None:
+        return train, None
+    segments, num_real = eval_share(test.piece_rows, env.world_size, env.rank)
+    return train, ParquetEvalData(stream(test), cfg.eval_batch_size or cfg.batch_size, segments, num_real)

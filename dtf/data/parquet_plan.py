@@ -1,0 +1,137 @@
+"""Which rows each rank reads in an epoch, computed from row-group sizes alone.
+
+Petastorm shards by whole row groups, so skewed row groups give ranks different numbers
+of batches and DDP hangs. Here every rank computes the same plan from the Parquet
+metadata: a seeded order of the row groups (and of the rows inside each), cut into
+world_size contiguous shares of the global row sequence whose sizes differ by at most one
+row (a row group may be split between ranks). Each share is then trimmed to, or padded up
+to, the same whole number of batches. A plan is a pure function of (row-group sizes, seed,
+epoch, rank, world size, batch size), so a run resumed mid-epoch reads exactly the rows
+an uninterrupted run would have read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of one row group, by their index inside it, in the order they are used."""
+
+    piece: int
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def batches_per_rank(num_rows: int, world_size: int, batch_size: int, pad: bool) -> int:
+    """Full batches every rank yields per epoch: the remainder is dropped, or padded up to one more batch."""
+    per_step = world_size * batch_size
+    return math.ceil(num_rows / per_step) if pad else num_rows // per_step
+
+
+def remainder_rows(num_rows: int, world_size: int, batch_size: int, pad: bool) -> int:
+    """Rows dropped (pad=False) or repeated (pad=True) per epoch, over all ranks."""
+    used = batches_per_rank(num_rows, world_size, batch_size, pad) * world_size * batch_size
+    return used - num_rows if pad else num_rows - used
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    # SeedSequence wants non-negative entropy; a negative trainer.seed still maps to a fixed stream.
+    return np.random.default_rng([seed % 2**63, *keys])
+
+
+def piece_order(num_pieces: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    return _rng(seed, epoch, 0).permutation(num_pieces) if shuffle else np.arange(num_pieces)
+
+
+def rows_of_piece(num_rows: int, piece: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order of one row group's rows in an epoch (its own stream, so a rank computes only what it reads)."""
+    return _rng(seed, epoch, 1, piece).permutation(num_rows) if shuffle else np.arange(num_rows)
+
+
+@dataclass(frozen=True)
+class EpochOrder:
+    """The global row sequence of one epoch: row groups in a (seeded) order, rows in a (seeded) order."""
+
+    piece_rows: Sequence[int]
+    seed: int = 0
+    epoch: int = 0
+    shuffle_row_groups: bool = False
+    shuffle_rows: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return int(sum(self.piece_rows))
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        """The rows at global positions [start, stop) of the sequence, one segment per row group."""
+        order = piece_order(len(self.piece_rows), self.seed, self.epoch, self.shuffle_row_groups)
+        sizes = np.asarray(self.piece_rows, dtype=np.int64)[order]
+        ends = np.cumsum(sizes)
+        out: list[Segment] = []
+        k = int(np.searchsorted(ends, start, side="right"))  # the first row group that holds position start
+        while start < stop and k < len(order):
+            begin = int(ends[k] - sizes[k])
+            lo, hi = start - begin, min(stop, int(ends[k])) - begin
+            piece = int(order[k])
+            perm = rows_of_piece(int(sizes[k]), piece, self.seed, self.epoch, self.shuffle_rows)
+            out.append(Segment(piece, perm[lo:hi]))
+            start = begin + hi
+            k += 1
+        return out
+
+
+def share_bounds(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous share of num_rows positions; shares differ in size by at most one row."""
+    return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
+
+
+def skip_rows(segments: list[Segment], num_skip: int) -> list[Segment]:
+    """The segments without their first num_skip rows (a resume in the middle of an epoch)."""
+    out = []
+    for seg in segments:
+        if num_skip >= len(seg):
+            num_skip -= len(seg)
+            continue
+        out.append(Segment(seg.piece, seg.rows[num_skip:]) if num_skip else seg)
+        num_skip = 0
+    return out
+
+
+def train_share(order: EpochOrder, world_size: int, rank: int, batch_size: int, pad: bool) -> list[Segment]:
+    """This rank's rows of the epoch: exactly batches_per_rank(...) * batch_size of them."""
+    num_rows = order.num_rows
+    target = batches_per_rank(num_rows, world_size, batch_size, pad) * batch_size
+    start, stop = share_bounds(num_rows, world_size, rank)
+    if target <= stop - start:
+        return order.segments(start, start + target)
+    # Padding repeats the share's own first rows; with at least one batch per rank a share
+    # holds at least batch_size rows and the padding is at most one batch, so it suffices.
+    missing = target - (stop - start)
+    assert missing <= stop - start, "padding needs at least world_size * batch_size rows"
+    return order.segments(start, stop) + order.segments(start, start + missing)
+
+
+def eval_share(piece_rows: Sequence[int], world_size: int, rank: int) -> tuple[list[Segment], int]:
+    """(segments, number of real rows) of this rank's test rows, in stored order.
+
+    Every rank gets ceil(N / world_size) rows so all run the same number of forwards; the
+    real rows come first, then at most one padding row (the share's first row, or row 0 of
+    the data set for a rank without rows) that the evaluation weighs zero.
+    """
+    order = EpochOrder(piece_rows)
+    num_rows = order.num_rows
+    start, stop = share_bounds(num_rows, world_size, rank)
+    length = math.ceil(num_rows / world_size)
+    segments = order.segments(start, stop)
+    if stop - start < length:
+        filler = start if stop > start else 0
+        segments += order.segments(filler, filler + length - (stop - start))
+    return segments, stop - start

@@ -1,0 +1,205 @@
+"""Write dtf's built-in data sets to disk, so every recipe can also run on Parquet (`data=petastorm`).
+
+    python -m dtf.data.prepare scalar_field digits fake_images --out data [--format both] [--rows-per-group 512]
+
+For each data set, its train and test splits exactly as the in-memory path builds them
+(from dtf/conf/data/<name>.yaml and its seed) are written with two columns, `features`
+and `label`:
+
+- parquet:   <out>/<name>/parquet/{train,test}/part-00000.parquet, plain Parquet written by
+             pyarrow (read by make_batch_reader); array columns are list<float> with their
+             per-row shape in the file's metadata.
+- petastorm: <out>/<name>/petastorm/{train,test}, a Petastorm dataset with a Unischema
+             (read by make_reader), written through Spark and materialize_dataset.
+
+Row groups hold --rows-per-group rows (Spark splits the rows evenly over its files, so
+there a row group holds about that many).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import Dataset, TensorDataset
+
+from dtf.data.loader import split_datasets
+from dtf.data.parquet_source import SHAPES_KEY, quiet_petastorm
+from dtf.errors import UserError
+
+CONF_DATA = Path(__file__).resolve().parents[1] / "conf" / "data"
+FORMATS = ("parquet", "petastorm")
+
+
+def builtin_names() -> list[str]:
+    """The data options whose YAML builds a dataset object (those a Parquet copy can be made of)."""
+    return sorted(p.stem for p in CONF_DATA.glob("*.yaml") if "dataset" in OmegaConf.load(p))
+
+
+def build_splits(name: str, overrides: Sequence[str] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{'train': (features, labels), 'test': ...} of a built-in data set, as the in-memory path builds it."""
+    node = OmegaConf.load(CONF_DATA / f"{name}.yaml").dataset
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key not in node:
+            known = ", ".join(k for k in map(str, node) if k != "_target_")
+            raise UserError(f"--set {override}: {key} is not a parameter of the {name} data set (it has: {known})")
+    node = OmegaConf.merge(node, OmegaConf.from_dotlist(list(overrides)))
+    train, test = split_datasets(node)
+    splits = {"train": _arrays(train)}
+    if test is not None:
+        splits["test"] = _arrays(test)
+    return splits
+
+
+def _arrays(ds: Dataset) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(ds, TensorDataset) and len(ds.tensors) == 2:
+        x, y = ds.tensors
+    else:
+        items = [ds[i] for i in range(len(ds))]  # type: ignore[arg-type]
+        x, y = torch.stack([torch.as_tensor(a) for a, _ in items]), torch.stack([torch.as_tensor(b) for _, b in items])
+    return x.numpy(), y.numpy()
+
+
+def write_parquet(features: np.ndarray, labels: np.ndarray, directory: Path, rows_per_group: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"features": features, "label": labels}
+    arrays, shapes = {}, {}
+    for name, values in columns.items():
+        if values.ndim == 1:
+            arrays[name] = pa.array(values)
+            continue
+        # Parquet holds flat lists; the per-row shape (e.g. 1x28x28) travels in the file's metadata.
+        width = math.prod(values.shape[1:])
+        offsets = pa.array(np.arange(len(values) + 1, dtype=np.int32) * width)
+        arrays[name] = pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)))
+        shapes[name] = list(values.shape[1:])
+    table = pa.table(arrays).replace_schema_metadata({SHAPES_KEY: json.dumps(shapes).encode()})
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    path = directory / "part-00000.parquet"
+    pq.write_table(table, path, row_group_size=rows_per_group)
+    return path
+
+
+def spark_session(master: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    # Spark's Python workers must be this interpreter (this venv), not whatever `python` is on PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # this machine only; no warning about the hostname
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("dtf.data.prepare")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def write_petastorm(
+    spark: Any, features: np.ndarray, labels: np.ndarray, directory: Path, rows_per_group: int, name: str
+) -> None:
+    from petastorm.codecs import NdarrayCodec, ScalarCodec
+    from petastorm.etl.dataset_metadata import materialize_dataset
+    from petastorm.unischema import Unischema, UnischemaField, dict_to_spark_row
+    from pyspark.sql.types import DoubleType, FloatType, IntegerType, LongType
+
+    quiet_petastorm()
+
+    spark_types = {
+        np.dtype(np.float32): FloatType(),
+        np.dtype(np.float64): DoubleType(),
+        np.dtype(np.int64): LongType(),
+        np.dtype(np.int32): IntegerType(),
+    }
+
+    def field(column: str, values: np.ndarray) -> Any:
+        if values.ndim == 1:
+            return UnischemaField(column, values.dtype.type, (), ScalarCodec(spark_types[values.dtype]), False)
+        return UnischemaField(column, values.dtype.type, tuple(values.shape[1:]), NdarrayCodec(), False)
+
+    schema = Unischema(f"dtf_{name}", [field("features", features), field("label", labels)])
+    url = "file://" + str(directory.resolve())
+    rows = [
+        dict_to_spark_row(schema, {"features": x if x.ndim else x.item(), "label": y if y.ndim else y.item()})
+        for x, y in zip(features, labels, strict=True)
+    ]
+    # One Spark partition per row group: each writes its own file of about rows_per_group rows,
+    # and a block size of twice the file's raw size keeps it one row group (a block size far
+    # beyond that only makes Parquet's memory manager shrink it, with warnings).
+    num_files = max(1, math.ceil(len(rows) / rows_per_group))
+    raw_bytes_per_row = features[0].nbytes + labels[0].nbytes + 256  # + NdarrayCodec's header
+    block_mb = max(1, math.ceil(2 * raw_bytes_per_row * math.ceil(len(rows) / num_files) / 2**20))
+    with materialize_dataset(spark, url, schema, row_group_size_mb=block_mb):
+        frame = spark.createDataFrame(spark.sparkContext.parallelize(rows, num_files), schema.as_spark_schema())
+        frame.write.mode("overwrite").parquet(url)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    names = builtin_names()
+    parser = argparse.ArgumentParser(prog="python -m dtf.data.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("datasets", nargs="+", choices=names, metavar="DATASET", help=f"one or more of {names}")
+    parser.add_argument("--out", type=Path, default=Path("data"), help="output directory (default: data)")
+    parser.add_argument("--format", choices=(*FORMATS, "both"), default="parquet", help="default: parquet")
+    parser.add_argument("--rows-per-group", type=int, default=1024, help="rows per Parquet row group (default: 1024)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter of the data set's builder, e.g. --set num_points=2000",
+    )
+    parser.add_argument("--spark-master", default="local[2]", help="Spark master for --format petastorm")
+    args = parser.parse_args(argv)
+    if args.rows_per_group < 1:
+        parser.error("--rows-per-group must be 1 or more")
+    formats = FORMATS if args.format == "both" else (args.format,)
+    spark = None  # started on first use: Spark's JVM takes seconds
+    try:
+        for name in args.datasets:
+            for split, (x, y) in build_splits(name, args.set).items():
+                for fmt in formats:
+                    directory = args.out / name / fmt / split
+                    if fmt == "parquet":
+                        write_parquet(x, y, directory, args.rows_per_group)
+                    else:
+                        spark = spark or spark_session(args.spark_master)
+                        write_petastorm(spark, x, y, directory, args.rows_per_group, name)
+                    print(f"{directory}: {len(x)} rows, features {list(x.shape[1:])} {x.dtype}, label {y.dtype}")
+            for fmt in formats:
+                base = args.out / name / fmt
+                print(
+                    f"train on it: python -m dtf data=petastorm data.path={base / 'train'} "
+                    f"data.test_path={base / 'test'}"
+                )
+    except UserError as e:
+        print(f"dtf: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if spark is not None:
+            spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Ranks as the tasks of a SLURM job, submitted with submitit.
+
+Three situations, one command (`python -m dtf launcher=slurm ...`):
+- on a login node: submitit writes an sbatch script (one task per rank) and submits it; the
+  driver streams rank 0's output and ends with the job's status (or, with launcher.wait=false,
+  prints the job id and returns);
+- inside an allocation (`salloc`, or the batch script of an `sbatch` the user wrote): the
+  ranks are started in place with `srun`, each composing the same config;
+- as a task of `srun`: this process is a rank already and runs in place.
+In each task the rendezvous comes from the SLURM environment (submitit's
+TorchDistributedEnvironment: the allocation's first node, a port derived from the job id).
+
+Preemption and time limits: SLURM sends launcher.signal (SIGUSR1 by default, launcher.signal_delay_s
+before the end); the ranks agree, checkpoint and stop (dtf.train.stop), rank 0 requeues the job
+with `scontrol requeue`, and the requeued job resumes from that checkpoint in the same run dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from dtf.errors import RankFailedError, UserError
+from dtf.launch.base import Launcher, WorkerFn
+from dtf.train.stop import EXIT_STOPPED
+
+JOB_FOLDER = "slurm"  # under the run dir: sbatch script, pickles, every task's stdout/stderr
+
+
+def inside_srun_task() -> bool:
+    return "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ
+
+
+def inside_allocation() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+class SlurmRank:
+    """What every task of the job runs (pickled by submitit): join the group, train, report."""
+
+    def __init__(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> None:
+        self.fn, self.cfg, self.run_dir = fn, cfg, run_dir
+
+    def __call__(self) -> dict[str, Any] | None:
+        return run_as_task(self.fn, self.cfg, self.run_dir, requeue=bool(self.cfg.launcher.requeue))
+
+
+def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> dict[str, Any] | None:
+    """One SLURM task = one rank, in this process."""
+    import submitit
+
+    dist = submitit.helpers.TorchDistributedEnvironment()
+    # GPUs: SLURM's --gpus-per-task (or the local rank) picks the device, not CUDA_VISIBLE_DEVICES.
+    dist.export(set_cuda_visible_devices=False, overwrite=True)
+    try:
+        result = fn(cfg, run_dir)
+    except UserError as e:  # reaches the driver as one line, through submitit's result file
+        return {"user_error": str(e)}
+    if requeue and isinstance(result, dict) and "stopped_by" in result:
+        if dist.rank == 0:
+            # As submitit does on preemption; the requeued job finds the checkpoint in the same run dir.
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+            print(f"dtf: stopped at step {result['step']}; requeued SLURM job {os.environ['SLURM_JOB_ID']}", flush=True)
+        # No result file is written: the driver keeps waiting, for the requeued job's.
+        raise SystemExit(EXIT_STOPPED)
+    return result
+
+
+class SlurmLauncher(Launcher):
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+        if inside_srun_task():
+            return run_as_task(fn, cfg, run_dir, requeue=False)  # the user's srun owns the job
+        if inside_allocation():
+            return self._srun_in_allocation(run_dir)
+        return self._submit(fn, cfg, run_dir)
+
+    def _srun_in_allocation(self, run_dir: str) -> Any:
+        c = self.cfg
+        cmd = [
+            "srun",
+            f"--nodes={c.nodes}",
+            f"--ntasks-per-node={c.tasks_per_node}",
+            f"--cpus-per-task={c.cpus_per_task}",
+            "--kill-on-bad-exit=1",  # a failed rank ends the step: the others never hang
+            sys.executable,
+            "-m",
+            "dtf",
+            *sys.argv[1:],
+            f"hydra.run.dir={run_dir}",  # every task composes the config again: they must agree on this
+        ]
+        code = subprocess.call(cmd)
+        if code == EXIT_STOPPED:
+            return {"stopped_by": "a stop signal", "step": None, "checkpoint": None}
+        if code:
+            raise RankFailedError(f"srun in allocation {os.environ['SLURM_JOB_ID']} failed with exit code {code}")
+        return None
+
+    def _executor(self, run_dir: str) -> Any:
+        import submitit
+        from submitit.slurm.slurm import SlurmJobEnvironment
+
+        if shutil.which("sbatch") is None:
+            raise UserError(
+                "launcher=slurm: sbatch is not on PATH: run on a machine with SLURM's client tools "
+                "(scripts/local-slurm.sh start sets up one here), or use launcher=local"
+            )
+        c = self.cfg
+        signal_name = c.signal.removeprefix("SIG")
+        # submitit writes --signal=<USR_SIG>@<delay> into the sbatch script from this attribute.
+        SlurmJobEnvironment.USR_SIG = signal_name
+        executor = submitit.AutoExecutor(folder=Path(run_dir) / JOB_FOLDER, cluster="slurm")
+        extra = dict(c.sbatch_extra)
+        for key in ("account", "qos"):
+            if c[key]:
+                extra[key] = c[key]
+        if c.time_min is None:
+            raise UserError("launcher.time_min=null is invalid: give the job's time limit in minutes")
+        executor.update_parameters(
+            name=f"dtf-{Path(run_dir).name}",
+            nodes=c.nodes,
+            tasks_per_node=c.tasks_per_node,
+            cpus_per_task=c.cpus_per_task,
+            gpus_per_node=c.gpus_per_node or None,
+            timeout_min=c.time_min,
+            slurm_partition=c.partition,
+            slurm_signal_delay_s=c.signal_delay_s,
+            slurm_additional_parameters=extra,
+            slurm_setup=[f"export SUBMITIT_PREEMPT_SIGNAL={signal_name}", *c.setup],
+            **({"mem_gb": c.mem_gb} if c.mem_gb else {}),
+        )
+        return executor
+
+    def _submit(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+        import submitit
+
+        logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
+        executor = self._executor(run_dir)
+        try:
+            job = executor.submit(SlurmRank(fn, cfg, run_dir))
+        except submitit.core.utils.FailedJobError as e:  # sbatch refused it: its own words, one line
+            reason = " ".join(str(e).split("\n")[-3:]).strip()
+            raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None
+        print(f"dtf: submitted SLURM job {job.job_id}; logs in {Path(run_dir) / JOB_FOLDER}", flush=True)
+        tasks = (self.cfg.nodes * self.cfg.tasks_per_node, self.cfg.tasks_per_node)
+        if in_sweep():  # every point is submitted first; SweepJobs waits for them all at the end
+            SUBMITTED.append((job, run_dir, *tasks))
+            return {"slurm_job_id": job.job_id, "submitted": True}
+        if not self.cfg.wait:
+            return {"slurm_job_id": job.job_id, "submitted": True}
+        return wait_for(job, run_dir, *tasks)
+
+
+# Jobs of this process's sweep (Hydra multirun), waited for by SweepJobs once all are submitted.
+SUBMITTED: list[tuple[Any, str, int, int]] = []
+
+
+def in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+class SweepJobs(Callback):
+    """Hydra callback: at the end of a multirun, waits for the SLURM jobs it submitted (which run in
+    parallel as far as the cluster allows) and reports each one; fails if any did."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = 0
+        while SUBMITTED:
+            job, run_dir, tasks, tasks_per_node = SUBMITTED.pop(0)
+            try:
+                summary = wait_for(job, run_dir, tasks, tasks_per_node, stream=False)
+                print(
+                    f"dtf: SLURM job {job.job_id} done: final train loss {summary['final_train_loss']:.6g}; "
+                    f"summary {Path(run_dir) / 'summary.json'}",
+                    flush=True,
+                )
+            except UserError as e:
+                failed += 1
+                print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+        if failed:
+            raise SystemExit(1)
+
+
+# States after which a job runs no more (a requeued job passes through REQUEUED and PENDING instead).
+_FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+# Reasons a pending job waits for something that will not come by itself (SLURM leaves such
+# jobs pending unless EnforcePartLimits is set): asking for more than the partition has, and the like.
+_NEVER_STARTS = {
+    "PartitionConfig",
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "QOSMaxCpuPerJobLimit",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxWallDurationPerJobLimit",
+}
+
+
+def job_state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) from squeue, which keeps finished jobs for MinJobAge; None once it is gone.
+    Not sacct: clusters without accounting storage have no sacct (submitit's watcher needs it)."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return ("UNKNOWN", "")
+    return (out[0], out[1] if len(out) > 1 else "") if out else None
+
+
+def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Any:
+    """Streams rank 0's output while the job runs (through requeues), then returns its result."""
+    from submitit.core.utils import JobPaths, pickle_load
+
+    paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
+    shown = 0
+    gone_since: float | None = None
+    while not all(p.result_pickle.exists() for p in paths):
+        if stream:
+            shown = _print_new(paths[0].stdout, shown)
+        state = job_state(job.job_id)
+        if state is not None and state[0] == "PENDING" and state[1] in _NEVER_STARTS:
+            subprocess.run(["scancel", job.job_id], timeout=60)  # our own job, which would wait forever
+            raise UserError(
+                f"launcher=slurm: SLURM job {job.job_id} can never start (pending for {state[1]}): the partition "
+                f"cannot give {tasks // tasks_per_node} node(s) x {tasks_per_node} task(s) with these settings; "
+                "lower launcher.nodes, launcher.tasks_per_node or launcher.cpus_per_task, or pick launcher.partition"
+            )
+        if state is None or state[0] in _FINAL_STATES:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > 10:  # result files of a finished job appear within seconds
+                break
+        time.sleep(1.0)
+    if stream:
+        _print_new(paths[0].stdout, shown)
+    logs = Path(run_dir) / JOB_FOLDER
+    outcomes = [pickle_load(p.result_pickle) if p.result_pickle.exists() else None for p in paths]
+    results = []
+    for task, outcome in enumerate(outcomes):
+        if outcome is None:
+            raise RankFailedError(
+                f"SLURM job {job.job_id} ended ({(job_state(job.job_id) or ('gone',))[0]}) without a result from rank "
+                f"{task}: see {paths[task].stderr}"
+            )
+        kind, value = outcome
+        if kind == "error":
+            raise RankFailedError(f"rank {task} failed in SLURM job {job.job_id}: {_last_line(value)} (logs: {logs})")
+        if isinstance(value, dict) and "user_error" in value:
+            raise UserError(value["user_error"])
+        results.append(value)
+    return results[0]
+
+
+def _print_new(path: Path, shown: int) -> int:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return shown
+    complete = text.rfind("\n") + 1  # a line still being written is shown next time
+    # submitit's own bookkeeping lines are not the user's output
+    for line in text[shown:complete].splitlines(keepends=True):
+        if "submitit " not in line:
+            sys.stdout.write(line)
+    sys.stdout.flush()
+    return max(shown, complete)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"

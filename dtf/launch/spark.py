@@ -1,0 +1,210 @@
+"""Ranks as the tasks of one Spark barrier stage (the way HorovodRunner and Maggy ran them).
+
+The driver starts (or joins) a SparkSession on launcher.master, and runs an RDD of nproc
+partitions in barrier mode: Spark schedules all tasks at once or none, and when one fails it
+kills the others, so a failed rank never leaves the rest waiting in a collective. Each task is
+one rank: rank = partition id; rank 0's host and a free port it picks (shared with allGather)
+are the rendezvous. Each rank writes its output to <run_dir>/logs/spark/rank_<r>.log (the run
+dir must be on storage the executors share); the driver streams rank 0's log and returns its result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig
+
+from dtf.errors import RankFailedError, UserError
+from dtf.launch.base import Launcher, WorkerFn
+
+LOG_DIR = "logs/spark"
+_LOG4J = Path(__file__).with_name("spark_conf") / "log4j2.properties"
+_USER_ERROR = "DTF_USER_ERROR: "
+
+
+def _log_path(run_dir: str, rank: int) -> Path:
+    return Path(run_dir) / LOG_DIR / f"rank_{rank}.log"
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """fd-level redirect (torch and gloo print from C++ too), undone after: Spark reuses workers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "a", buffering=1) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[Any]) -> Iterator[Any]:
+    """One barrier task = one rank."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
+    port = ctx.allGather(str(_free_port()) if rank == 0 else "")[0]
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(len(hosts)),
+        LOCAL_RANK=str(hosts[:rank].count(hosts[rank])),
+        LOCAL_WORLD_SIZE=str(hosts.count(hosts[rank])),
+        MASTER_ADDR=hosts[0],
+        MASTER_PORT=port,
+    )
+    with _output_to(_log_path(run_dir, rank)):
+        try:
+            result = fn(cfg, run_dir)
+        except Exception as e:
+            user_error = user_error_in(e)
+            if user_error is None:
+                raise
+            # Fails the task (so Spark stops the other ranks) with a message the driver recognises.
+            raise RuntimeError(_USER_ERROR + str(user_error)) from None
+    if rank == 0:
+        yield result
+
+
+def user_error_in(e: BaseException) -> UserError | None:
+    """The UserError behind e, if any (Hydra's instantiate wraps what a _target_ raises)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def _check_master_reachable(master: str) -> None:
+    if not master.startswith("spark://"):
+        return  # local[N], local-cluster[...], yarn, k8s://...: Spark itself reports those
+    for hostport in master.removeprefix("spark://").split(","):
+        url = urlparse(f"spark://{hostport}")
+        try:
+            with socket.create_connection((url.hostname or "", url.port or 7077), timeout=5):
+                return
+        except OSError:
+            continue
+    raise UserError(
+        f"launcher.master={master}: no Spark master answers there; start one "
+        "(scripts/local-spark.sh start prints a URL) or fix the URL"
+    )
+
+
+class SparkLauncher(Launcher):
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+        c = self.cfg
+        _check_master_reachable(c.master)
+        spark = self._session(run_dir)
+        rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()
+        stop_tail = threading.Event()
+        tail = threading.Thread(target=_tail, args=(_log_path(run_dir, 0), stop_tail), daemon=True)
+        tail.start()
+        try:
+            results = rdd.mapPartitions(lambda it: run_barrier_task(fn, cfg, run_dir, it)).collect()
+        except Exception as e:  # py4j's Java error, holding the failed rank's Python traceback
+            raise _failure(e, run_dir) from None
+        finally:
+            stop_tail.set()
+            tail.join()
+        return results[0] if results else None
+
+    def _session(self, run_dir: str) -> Any:
+        from pyspark.sql import SparkSession
+
+        c = self.cfg
+        # PySpark starts Python workers with $PYSPARK_PYTHON: this interpreter, with dtf and torch.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        logging.getLogger("py4j").setLevel(logging.WARNING)
+        driver_log = Path(run_dir) / LOG_DIR / "driver.log"
+        driver_log.parent.mkdir(parents=True, exist_ok=True)
+        java_options = f"-Dlog4j2.configurationFile={_LOG4J} -Ddtf.spark.log={driver_log}"
+        local = c.master.startswith("local") or "127.0.0.1" in c.master or "localhost" in c.master
+        paths = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        conf: dict[str, str] = {
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            # A rank that fails fails the run: no retry of the whole stage by Spark.
+            "spark.task.maxFailures": "1",
+            "spark.stage.maxConsecutiveAttempts": "1",
+            # More ranks than free task slots: fail in seconds, not after ~10 minutes of checks.
+            "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "2s",
+            "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
+            "spark.pyspark.python": sys.executable,
+            "spark.driver.extraJavaOptions": f"{java_options} {c.spark_conf.get('spark.driver.extraJavaOptions', '')}",
+            # The user's modules (model/data _target_s) import on the executors as on the driver.
+            "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in paths if p),
+            "spark.executorEnv.OMP_NUM_THREADS": "1",
+            **({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if local else {}),
+            **{str(k): str(v) for k, v in c.spark_conf.items() if k != "spark.driver.extraJavaOptions"},
+        }
+        builder = SparkSession.builder.master(c.master).appName(c.app_name)
+        for key, value in conf.items():
+            builder = builder.config(key, value)
+        return builder.getOrCreate()
+
+
+def _tail(path: Path, stop: threading.Event) -> None:
+    """Streams rank 0's log to the driver's terminal while the stage runs."""
+    shown = 0
+    while True:
+        done = stop.is_set()
+        with contextlib.suppress(OSError):
+            text = path.read_text(errors="replace")
+            complete = text.rfind("\n") + 1
+            if complete > shown:
+                sys.stdout.write(text[shown:complete])
+                sys.stdout.flush()
+                shown = complete
+        if done:
+            return
+        time.sleep(0.5)
+
+
+def _failure(e: Exception, run_dir: str) -> UserError:
+    text = str(e)
+    user = re.search(re.escape(_USER_ERROR) + r"(.*)", text)
+    if user:
+        return UserError(user.group(1).strip())
+    if "requires more slots than the total number of slots" in text or "SPARK-24819" in text:
+        return UserError(
+            "launcher.nproc is more than the Spark cluster's free task slots (a barrier stage needs them all "
+            "at once): lower launcher.nproc or add executors/cores"
+        )
+    # "barrier task ResultTask(<stage>, <partition>)" or "task <partition>.<attempt> in stage ..."
+    task = re.search(r"ResultTask\(\d+, (\d+)\)", text) or re.search(r"[Tt]ask (\d+)(?:\.\d+)? in stage", text)
+    errors = re.findall(r"^(\w[\w.]*(?:Error|Exception): .*)$", text, flags=re.MULTILINE)
+    python_errors = [line for line in errors if not line.startswith(("org.", "java.", "py4j."))]
+    reason = python_errors[-1] if python_errors else (errors[0] if errors else type(e).__name__)
+    if task is None:
+        return RankFailedError(f"Spark job failed: {reason}")
+    rank = int(task.group(1))
+    return RankFailedError(f"rank {rank} failed: {reason} (its log: {_log_path(run_dir, rank)})")

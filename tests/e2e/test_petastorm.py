@@ -1,0 +1,148 @@
+"""`python -m dtf data=petastorm` on skewed Parquet: equal steps on every rank, the promised rows,
+a run that ends on its own, an exact mid-epoch resume, and the in-memory path's loss."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dtf.data.parquet_plan import EpochOrder, batches_per_rank, train_share
+from dtf.data.prepare import build_splits, write_parquet
+from tests.conftest import DtfRun, run_dtf
+from tests.helpers.parquet_files import SKEWED, write_skewed
+from tests.helpers.record_rows import read_batches
+
+BATCH = 16
+SEED = 0  # trainer.seed: the plan's seed
+
+
+def skewed_args(data: Path, record: Path, world: int, remainder: str) -> list[str]:
+    return [
+        "data=petastorm",
+        f"data.path={data}",
+        f"data.test_path={data}",
+        f"data.batch_size={BATCH}",
+        "data.eval_batch_size=50",
+        f"data.remainder={remainder}",
+        f"launcher.nproc={world}",
+        "trainer.max_epochs=2",
+        f"trainer.seed={SEED}",
+        f"trainer.step_fn={{_target_: record_rows.record_step, _partial_: true, out_dir: '{record}'}}",
+    ]
+
+
+def promised_rows(data: Path, world: int, rank: int, epoch: int, remainder: str) -> list[int]:
+    """What rank must train on in epoch: the plan's rows, looked up in the files with pyarrow."""
+    labels = np.concatenate([pq.read_table(f, columns=["label"])["label"].to_numpy() for f in sorted(data.iterdir())])
+    starts = np.concatenate([[0], np.cumsum(SKEWED)])
+    share = train_share(EpochOrder(SKEWED, SEED, epoch, True, True), world, rank, BATCH, remainder == "pad")
+    return [int(labels[starts[s.piece] + r]) for s in share for r in s.rows]
+
+
+def ok(run: DtfRun) -> DtfRun:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_skewed(tmp_path_factory.mktemp("skewed") / "train")
+
+
+@pytest.fixture(scope="module")
+def straight_2_ranks(tmp_path_factory: pytest.TempPathFactory, skewed: Path) -> tuple[DtfRun, Path]:
+    record = tmp_path_factory.mktemp("straight_rows")
+    run = ok(run_dtf(skewed_args(skewed, record, 2, "drop"), tmp_path_factory.mktemp("straight") / "run"))
+    return run, record
+
+
+def check_rows(run: DtfRun, record: Path, data: Path, world: int, remainder: str) -> None:
+    n = sum(SKEWED)
+    per_epoch = batches_per_rank(n, world, BATCH, remainder == "pad")
+    s = run.summary
+    assert s["steps_per_rank"] == [2 * per_epoch] * world and s["epochs"] == 2
+    if remainder == "pad":
+        assert f"{per_epoch * world * BATCH - n} rows repeated per epoch (data.remainder=pad)" in run.stdout
+    else:
+        assert f"{n - per_epoch * world * BATCH} rows dropped per epoch (data.remainder=drop)" in run.stdout
+    for rank in range(world):
+        batches = read_batches(record, "train", rank)
+        assert len(batches) == 2 * per_epoch and {len(b) for b in batches} == {BATCH}
+        for epoch in range(2):
+            used = [i for b in batches[epoch * per_epoch : (epoch + 1) * per_epoch] for i in b]
+            assert used == promised_rows(data, world, rank, epoch, remainder)
+    # Two evaluations, each over every test row exactly once across the ranks.
+    evaluated = Counter(i for rank in range(world) for b in read_batches(record, "eval", rank) for i in b)
+    assert evaluated == Counter({i: 2 for i in range(n)})
+
+
+@pytest.mark.slow
+def test_skewed_row_groups_on_2_ranks_every_rank_same_steps_and_promised_rows(
+    straight_2_ranks: tuple[DtfRun, Path], skewed: Path
+) -> None:
+    run, record = straight_2_ranks
+    check_rows(run, record, skewed, 2, "drop")
+
+
+@pytest.mark.slow
+def test_skewed_row_groups_on_3_ranks_padded(tmp_path: Path, skewed: Path) -> None:
+    record = tmp_path / "rows"
+    record.mkdir()
+    run = ok(run_dtf(skewed_args(skewed, record, 3, "pad"), tmp_path / "run"))
+    check_rows(run, record, skewed, 3, "pad")
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_reads_on_exactly_where_it_stopped(
+    tmp_path: Path, straight_2_ranks: tuple[DtfRun, Path], skewed: Path
+) -> None:
+    straight, straight_record = straight_2_ranks
+    record = tmp_path / "rows"
+    record.mkdir()
+    args = skewed_args(skewed, record, 2, "drop")
+    k = 40  # epoch 2 (of 31 batches each), batch 9
+    ok(run_dtf([*args, f"trainer.max_steps={k}"], tmp_path / "run"))
+    resumed = ok(run_dtf(args, tmp_path / "run"))
+    assert resumed.summary["resumed_from_step"] == k
+    assert resumed.summary["params_sha256"] == straight.summary["params_sha256"]
+    assert resumed.summary["final_train_loss"] == straight.summary["final_train_loss"]
+    for rank in range(2):  # the two runs together trained on the very batches of the straight run
+        assert read_batches(record, "train", rank) == read_batches(straight_record, "train", rank)
+
+
+def test_parquet_copy_trains_to_the_in_memory_loss_without_shuffling(tmp_path: Path) -> None:
+    sizes = ["data.dataset.num_points=2000", "data.dataset.num_test=400"]
+    splits = build_splits("scalar_field", [s.removeprefix("data.dataset.") for s in sizes])
+    for split, (x, y) in splits.items():
+        write_parquet(x, y, tmp_path / "parquet" / split, rows_per_group=300)
+    common = ["launcher.nproc=1", "trainer.max_epochs=2"]
+    memory = ok(run_dtf([*common, *sizes, "data.shuffle=false"], tmp_path / "memory"))
+    files = ok(
+        run_dtf(
+            [
+                *common,
+                "data=petastorm",
+                f"data.path={tmp_path / 'parquet' / 'train'}",
+                f"data.test_path={tmp_path / 'parquet' / 'test'}",
+                "data.shuffle_rows=false",
+                "data.shuffle_row_groups=false",
+            ],
+            tmp_path / "files",
+        )
+    )
+    for key in ("train_loss_per_epoch", "test_loss_per_epoch", "params_sha256", "steps_per_rank"):
+        assert files.summary[key] == memory.summary[key], key
+
+
+def test_a_corrupt_file_is_one_error_line_before_any_rank_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    run = run_dtf(["data=petastorm", f"data.path={bad}"], tmp_path / "run")
+    assert run.returncode == 2
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dtf: error: data.path=file://{bad}: {bad} is not a readable Parquet file (ArrowInvalid: ")
+    assert "Traceback" not in run.stderr and not (tmp_path / "run" / "logs").exists()

@@ -1,0 +1,131 @@
+"""launcher=slurm against a real one-node SLURM cluster (scripts/local-slurm.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.helpers.clusters import script_cluster
+
+SHORT = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> Iterator[str]:
+    with script_cluster("local-slurm.sh", "SLURM_CONF") as conf, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", conf)
+        yield conf
+
+
+def _ok(run: DtfRun) -> DtfRun:
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def _job_id(run: DtfRun) -> str:
+    found = re.search(r"dtf: submitted SLURM job (\d+)", run.stdout)
+    assert found, run.stdout
+    return found.group(1)
+
+
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=1"]])
+def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(tmp_path: Path, strategy: list[str]) -> None:
+    local = _ok(run_dtf([*SHORT, *strategy], tmp_path / "local"))
+    slurm = _ok(run_dtf([*SHORT, *strategy, "launcher=slurm"], tmp_path / "slurm"))
+    job = _job_id(slurm)
+    s = slurm.summary
+    assert s["slurm_job_id"] == job and s["launcher"] == "slurm" and s["world_size"] == 2
+    # the job is SLURM's, with two tasks: scontrol knows it (finished jobs stay listed for MinJobAge)
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=True).stdout
+    assert f"JobId={job} " in shown and "NumTasks=2" in shown and "JobState=FAILED" not in shown
+    assert s["params_sha256"] == local.summary["params_sha256"]
+    assert s["train_loss_per_epoch"] == local.summary["train_loss_per_epoch"]
+    # rank 0 streamed to the terminal; every rank's log is in the run dir
+    assert "dtf: final train loss" in slurm.stdout
+    assert sorted(p.name for p in (tmp_path / "slurm" / "slurm").glob("*_log.out")) == [
+        f"{job}_0_log.out",
+        f"{job}_1_log.out",
+    ]
+
+
+def test_a_preempted_job_checkpoints_requeues_and_ends_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    # forwards sleep, so the run lasts long enough for a signal from outside to land mid-run
+    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT, "trainer.max_steps=100"]
+    straight = _ok(run_dtf(args, tmp_path / "straight"))
+    run_dir = tmp_path / "preempted"
+    out = tmp_path / "preempted.out"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, "+model.delay_s=0.05", "launcher=slurm"]
+    with open(out, "w") as f:
+        proc = subprocess.Popen([*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env())
+    deadline = time.monotonic() + 180
+    while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.5)
+    job = re.search(r"submitted SLURM job (\d+)", out.read_text())
+    assert job, out.read_text()
+    # what SLURM sends before preemption or the time limit (launcher.signal)
+    subprocess.run(["scancel", "--signal=USR1", job.group(1)], check=True)
+    while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out
+    for _ in range(50):
+        state = subprocess.run(["squeue", "-h", "-j", job.group(1), "-o", "%T"], capture_output=True, text=True)
+        if state.stdout.strip() == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"], check=True)
+            break
+        time.sleep(0.2)
+    assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
+    text = out.read_text()
+    stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", text)
+    assert stopped, text[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == int(stopped.group(1)) and summary["slurm_restarts"] == 1
+    assert summary["params_sha256"] == straight.summary["params_sha256"]
+    assert summary["train_loss_per_epoch"] == straight.summary["train_loss_per_epoch"]
+
+
+def test_a_sweep_submits_one_job_per_point_and_collects_them(tmp_path: Path) -> None:
+    sweep = run_dtf(
+        [*SHORT, "launcher=slurm", "launcher.tasks_per_node=1", "optimizer.lr=0.001,0.002"],
+        tmp_path / "sweep",
+        multirun=True,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    jobs = re.findall(r"submitted SLURM job (\d+)", sweep.stdout)
+    assert len(set(jobs)) == 2
+    # both were submitted before either was waited for: they could run side by side
+    assert sweep.stdout.index(f"job {jobs[1]};") < sweep.stdout.index(f"SLURM job {jobs[0]} done")
+    summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["slurm_job_id"] for s in summaries] == jobs
+    assert summaries[0]["final_train_loss"] != summaries[1]["final_train_loss"]
+
+
+def test_no_slurm_on_the_machine_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    env_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not Path(p, "sbatch").exists())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", env_path)
+        run = dtf("launcher=slurm")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "dtf: error: launcher=slurm: sbatch is not on PATH: run on a machine with SLURM's client tools "
+        "(scripts/local-slurm.sh start sets up one here), or use launcher=local"
+    ]
+
+
+def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf) -> None:  # type: ignore[no-untyped-def]
+    run = dtf("launcher=slurm", "launcher.tasks_per_node=64", timeout=120)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "can never start" in lines[0] and "launcher.tasks_per_node" in lines[0]
+    job = _job_id(run)
+    state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    assert state in ("", "CANCELLED")  # dtf cancelled its job instead of leaving it pending forever

@@ -1,0 +1,65 @@
+"""launcher=spark against a real standalone Spark cluster (scripts/local-spark.sh)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DtfRun, run_dtf
+from tests.helpers.clusters import script_cluster
+
+SHORT = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[str]:
+    with script_cluster("local-spark.sh", "SPARK_MASTER_URL") as url:
+        yield url
+
+
+def _ok(run: DtfRun) -> DtfRun:
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def test_ranks_as_spark_barrier_tasks_give_the_local_result(tmp_path: Path, master: str) -> None:
+    local = _ok(run_dtf(SHORT, tmp_path / "local"))
+    spark = _ok(run_dtf([*SHORT, "launcher=spark", f"launcher.master={master}"], tmp_path / "spark"))
+    s = spark.summary
+    assert s["launcher"] == "spark" and s["world_size"] == 2
+    assert s["params_sha256"] == local.summary["params_sha256"]
+    assert s["train_loss_per_epoch"] == local.summary["train_loss_per_epoch"]
+    # rank 0's output reached the driver; every rank's is in the run dir
+    assert "dtf: final train loss" in spark.stdout
+    logs = tmp_path / "spark" / "logs" / "spark"
+    assert "epoch 2" in (logs / "rank_0.log").read_text() and (logs / "rank_1.log").is_file()
+
+
+def test_a_rank_that_raises_fails_the_run_with_its_error(tmp_path: Path, master: str) -> None:
+    t0 = time.monotonic()
+    run = run_dtf(
+        [*SHORT, "launcher=spark", f"launcher.master={master}", "model._target_=user_models.FailingModel"],
+        tmp_path / "run",
+    )
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1"), run.stderr
+    assert "Traceback" not in run.stderr and time.monotonic() - t0 < 120  # rank 0 was stopped, not left waiting
+
+
+def test_an_unreachable_master_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    run = dtf("launcher=spark", "launcher.master=spark://127.0.0.1:9")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "dtf: error: launcher.master=spark://127.0.0.1:9: no Spark master answers there; start one "
+        "(scripts/local-spark.sh start prints a URL) or fix the URL"
+    ]
+
+
+def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, master: str) -> None:
+    run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3"], tmp_path / "run", timeout=180)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("dtf: error: launcher.nproc is more than the Spark")

@@ -1,0 +1,124 @@
+"""data=petastorm as a user configures it: composition, the driver's checks, and the prepare command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+
+from dtf.config import store
+from dtf.config.validate import validate
+from dtf.data import parquet, prepare
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+from tests.helpers.parquet_files import write_skewed
+
+
+def make(*overrides: str) -> DictConfig:
+    store.register()  # dtf's schemas, as `python -m dtf` registers them
+    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_skewed(tmp_path_factory.mktemp("skewed") / "train")
+
+
+def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed: Path) -> None:
+    cfg = make("data=petastorm", f"data.path={skewed}", "data.feature_columns=[features,x]", "data.remainder=pad")
+    validate(cfg)
+    assert (cfg.data.path, list(cfg.data.feature_columns), cfg.data.remainder.value) == (
+        str(skewed),
+        ["features", "x"],
+        "pad",
+    )
+    cnn = make("+experiment=digits_cnn", "data=petastorm", f"data.path={skewed}")
+    assert cnn.model._target_.endswith("MnistCNN") and cnn.data.path == str(skewed)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        ([], "data.path is not set"),
+        (["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
+        (["data.path={skewed}", "data.label_column=y"], "data.label_column: column 'y' is not in"),
+        (["data.path={skewed}", "data.feature_columns=[features,z]"], "data.feature_columns: column 'z'"),
+        (["data.path={skewed}", "data.test_path={skewed}/part-00009.parquet"], "data.test_path="),
+        (["data.path={skewed}", "data.workers_count=0"], "data.workers_count=0 is invalid"),
+        (["data.path={skewed}", "data.transform={{_target_:no.such.fn}}"], "data.transform._target_=no.such.fn"),
+        # 1021 rows: enough for 2 ranks of 500, not for 3 (the world size comes from the launcher)
+        (["data.path={skewed}", "data.batch_size=500", "launcher.nproc=3"], "data.path=file://"),
+    ],
+)
+def test_the_driver_refuses_bad_settings_in_one_line_naming_the_key(
+    skewed: Path, overrides: list[str], start: str
+) -> None:
+    cfg = make("data=petastorm", *(o.format(skewed=skewed) for o in overrides))
+    with pytest.raises(UserError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value)
+
+
+def test_driver_accepts_what_fits_the_world_size(skewed: Path) -> None:
+    validate(make("data=petastorm", f"data.path={skewed}", "data.batch_size=500", "launcher.nproc=2"))
+
+
+def test_options_outside_the_choices_fail_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        make("data=petastorm", "data.remainder=keep")
+    assert "drop" in str(err.value.__cause__) and "pad" in str(err.value.__cause__)
+
+
+def test_prepare_writes_parquet_that_trains_like_the_in_memory_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = prepare.main(["digits", "--out", str(tmp_path), "--rows-per-group", "300", "--set", "test_fraction=0.5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"data=petastorm data.path={tmp_path}/digits/parquet/train" in out
+    train = tmp_path / "digits" / "parquet" / "train" / "part-00000.parquet"
+    meta = pq.ParquetFile(train).metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sizes == [300, 300, 299] and sum(sizes) == 899  # 1797 - round(1797 * 0.5)
+    assert json.loads(pq.read_schema(train).metadata[b"dtf.shapes"]) == {"features": [1, 28, 28]}
+    cfg = make("data=petastorm", f"data.path={train.parent}", f"data.test_path={train.parent.parent / 'test'}")
+    data, test = parquet.build(cfg.data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
+    x, y = next(iter(data))
+    assert x.shape == (32, 1, 28, 28) and y.dtype == torch.int64 and test is not None
+
+
+def test_prepare_refuses_an_unknown_builder_parameter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert prepare.main(["digits", "--out", str(tmp_path), "--set", "num_points=5"]) == 2
+    assert "num_points is not a parameter of the digits data set" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_prepare_writes_a_petastorm_dataset_that_make_reader_reads_like_the_parquet_copy(tmp_path: Path) -> None:
+    # Spark (local[2]) writes it through materialize_dataset, as Petastorm does.
+    args = ["scalar_field", "--out", str(tmp_path), "--format", "both", "--rows-per-group", "250"]
+    assert prepare.main([*args, "--set", "num_points=1200", "--set", "num_test=200"]) == 0
+    batches = {}
+    for fmt in ("parquet", "petastorm"):
+        base = tmp_path / "scalar_field" / fmt
+        cfg = make(
+            "data=petastorm",
+            f"data.path={base / 'train'}",
+            f"data.test_path={base / 'test'}",
+            "data.shuffle_rows=false",
+            "data.shuffle_row_groups=false",
+        )
+        data, _ = parquet.build(cfg.data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
+        assert data.stream.reader.row_reader == (fmt == "petastorm")  # make_reader for the Unischema dataset
+        batches[fmt] = list(data)
+    assert (tmp_path / "scalar_field" / "petastorm" / "train" / "_common_metadata").exists()
+    assert len(batches["parquet"]) == len(batches["petastorm"]) == 1000 // 32
+    for (a, b), (c, d) in zip(batches["parquet"], batches["petastorm"], strict=True):
+        assert a.shape == c.shape == (32, 2) and b.shape == d.shape == (32, 1)
+        assert torch.equal(a, c) and torch.equal(b, d)

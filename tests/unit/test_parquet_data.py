@@ -1,0 +1,237 @@
+"""data=petastorm read through Petastorm: batches checked against the Parquet files themselves.
+
+Ranks are simulated in one process (each rank's data is a pure function of its rank and the
+world size); the test at the end runs real gloo ranks for the cross-rank checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from dtf.config.schema import PetastormDataConfig
+from dtf.data import loader, parquet
+from dtf.data.parquet_plan import EpochOrder, train_share
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+from tests.helpers.gloo import run_on_ranks
+from tests.helpers.parquet_files import SKEWED, write_row_groups, write_skewed
+
+
+def config(path: Path | str, **settings: Any) -> DictConfig:
+    return OmegaConf.structured(PetastormDataConfig(path=str(path), **settings))
+
+
+def env(rank: int = 0, world: int = 1) -> DistEnv:
+    return DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+
+
+def stored_labels(directory: Path) -> np.ndarray:
+    """All labels, file by file and row group by row group (Petastorm's order), read by pyarrow alone."""
+    return np.concatenate(
+        [pq.read_table(f, columns=["label"])["label"].to_numpy() for f in sorted(directory.glob("*.parquet"))]
+    )
+
+
+def epoch(data: Any, number: int, start_batch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data.set_epoch(number, start_batch)
+    return list(data)
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_skewed(tmp_path_factory.mktemp("skewed") / "train")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_skewed_row_groups_give_every_rank_the_same_batches_of_the_promised_rows(
+    skewed: Path, world: int, remainder: str
+) -> None:
+    labels = stored_labels(skewed)
+    batch = 16
+    for number in range(2):
+        used: list[int] = []
+        for rank in range(world):
+            data, _ = parquet.build(config(skewed, batch_size=batch, remainder=remainder), env(rank, world), seed=3)
+            batches = epoch(data, number)
+            assert len(batches) == len(data) and all(len(y) == batch for _, y in batches)
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            torch.testing.assert_close(x, torch.stack([y, -y], 1).float() / 1000)  # features and label of one row
+            # The rows are the ones the plan promises, looked up in the files by pyarrow, in plan order.
+            order = EpochOrder(SKEWED, 3, number, True, True)
+            share = train_share(order, world, rank, batch, pad=remainder == "pad")
+            starts = np.concatenate([[0], np.cumsum(SKEWED)])
+            promised = [int(labels[starts[s.piece] + r]) for s in share for r in s.rows]
+            assert y.tolist() == promised
+            used += promised
+        n = len(labels)
+        if remainder == "pad":
+            assert set(used) == set(range(n)) and len(used) - n == data.num_repeated_per_epoch > 0
+        else:
+            assert len(set(used)) == len(used) == n - data.num_dropped_per_epoch
+        assert len(data) == (-(-n // (world * batch)) if remainder == "pad" else n // (world * batch))
+
+
+def test_resuming_mid_epoch_continues_with_exactly_the_remaining_batches(skewed: Path) -> None:
+    data, _ = parquet.build(config(skewed, batch_size=8, remainder="pad"), env(1, 3), seed=11)
+    full = epoch(data, 4)
+    for start in (1, 20, len(full) - 1):
+        rest = epoch(data, 4, start_batch=start)
+        assert len(rest) == len(full) - start
+        assert all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(rest, full[start:], strict=True))
+    assert epoch(data, 5)[0][1].tolist() != full[0][1].tolist()  # the next epoch starts from its beginning
+
+
+def test_order_is_fixed_by_the_seed_whatever_the_reader_pool(skewed: Path) -> None:
+    runs = {}
+    for pool, workers in (("thread", 4), ("dummy", 1), ("thread", 1)):
+        data, _ = parquet.build(config(skewed, batch_size=4, reader_pool_type=pool, workers_count=workers), env(), 5)
+        runs[(pool, workers)] = torch.cat([y for _, y in epoch(data, 2)]).tolist()
+    assert len({tuple(r) for r in runs.values()}) == 1
+    other, _ = parquet.build(config(skewed, batch_size=4), env(), seed=6)
+    assert torch.cat([y for _, y in epoch(other, 2)]).tolist() != runs[("dummy", 1)]
+
+
+def test_evaluation_counts_every_test_row_exactly_once(skewed: Path) -> None:
+    for world in (2, 3, 4):
+        real: list[int] = []
+        lengths = set()
+        for rank in range(world):
+            _, test = parquet.build(
+                config(skewed, batch_size=16, test_path=str(skewed), eval_batch_size=100), env(rank, world), 0
+            )
+            assert test is not None
+            batches = list(test)
+            lengths.add(len(batches))
+            assert len(batches) == len(test)
+            for j, (_, y) in enumerate(batches):
+                real += y[: test.num_real_in_batch(j)].tolist()
+        assert len(lengths) == 1
+        assert sorted(real) == list(range(sum(SKEWED)))
+
+
+def test_one_row_group_is_shared_by_two_ranks(tmp_path: Path) -> None:
+    path = write_row_groups(tmp_path / "one", [[100]])
+    used = []
+    for rank in range(2):
+        data, _ = parquet.build(config(path, batch_size=10), env(rank, 2), seed=0)
+        batches = epoch(data, 0)
+        assert len(batches) == len(data) == 5
+        used += torch.cat([y for _, y in batches]).tolist()
+    assert sorted(used) == list(range(100))
+
+
+def test_several_columns_are_concatenated_and_a_transform_reshapes(skewed: Path) -> None:
+    transform = {"_target_": "dtf.data.transforms.reshape_features", "_partial_": True, "shape": [1, 3]}
+    cfg = config(skewed, batch_size=5, feature_columns=["features", "x"], shuffle_rows=False, shuffle_row_groups=False)
+    cfg.transform = transform
+    data, _ = parquet.build(cfg, env(), seed=0)
+    x, y = next(iter(data))
+    assert x.shape == (5, 1, 3) and x.dtype == torch.float32 and y.dtype == torch.int64
+    torch.testing.assert_close(x[:, 0, 2], y.float())
+
+
+def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_path: Path) -> None:
+    from dtf.data.prepare import build_splits, write_parquet
+
+    for name, overrides in (("scalar_field", ["num_points=1000", "num_test=200"]), ("digits", [])):
+        x, y = build_splits(name, overrides)["train"]
+        write_parquet(x, y, tmp_path / name, rows_per_group=100)
+        cfg = config(tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False)
+        parquet_batches = epoch(parquet.build(cfg, env(), seed=0)[0], 0)
+        memory_cfg = OmegaConf.load(Path(loader.__file__).parents[1] / "conf" / "data" / f"{name}.yaml")
+        memory_cfg = OmegaConf.merge(
+            {"eval_batch_size": None, "shuffle": False, "drop_last": True, "num_workers": 0, "pin_memory": False},
+            memory_cfg,
+            {"dataset": OmegaConf.from_dotlist(overrides), "batch_size": 32},
+        )
+        memory_batches = epoch(loader.build(memory_cfg, env(), seed=0)[0], 0)
+        assert len(parquet_batches) == len(memory_batches) > 0
+        for (px, py), (mx, my) in zip(parquet_batches, memory_batches, strict=True):
+            assert px.shape == mx.shape and px.dtype == mx.dtype and torch.equal(px, mx) and torch.equal(py, my)
+
+
+def test_a_url_of_another_scheme_is_read_through_fsspec() -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for i, sizes in enumerate(([30, 30], [7])):
+        table = pa.table(
+            {"features": np.arange(sum(sizes), dtype=np.float32) + 100 * i, "label": np.arange(sum(sizes))}
+        )
+        with fs.open(f"memory://dtf-test/data/part{i}.parquet", "wb") as f:
+            pq.write_table(table, f, row_group_size=sizes[0])
+    data, _ = parquet.build(config("memory://dtf-test/data", batch_size=8), env(), seed=0)
+    assert len(data) == 67 // 8
+    features = torch.cat([x for x, _ in epoch(data, 0)])
+    assert len(set(features.tolist())) == 64
+
+
+def one_line_error(cfg: DictConfig, world: int = 1) -> str:
+    with pytest.raises(UserError) as err:
+        parquet.build(cfg, env(0, world), seed=0)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_data_is_refused_with_one_line_that_names_the_key(tmp_path: Path, skewed: Path) -> None:
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 8)
+    pq.write_table(
+        pa.table({"features": pa.array([], pa.float32()), "label": pa.array([], pa.int64())}),
+        tmp_path / "norows.parquet",
+    )
+    (tmp_path / "no_files").mkdir()
+    assert one_line_error(config(tmp_path / "missing")).startswith(f"data.path={tmp_path / 'missing'} does not exist")
+    assert "empty.parquet is not a readable Parquet file" in one_line_error(config(tmp_path / "empty.parquet"))
+    assert "corrupt.parquet is not a readable Parquet file" in one_line_error(config(tmp_path / "corrupt.parquet"))
+    assert "has 0 rows, fewer than world size x data.batch_size" in one_line_error(config(tmp_path / "norows.parquet"))
+    assert "holds no Parquet files" in one_line_error(config(tmp_path / "no_files"))
+    message = one_line_error(config(skewed, feature_columns=["features", "nope"]))
+    assert (
+        message.startswith("data.feature_columns: column 'nope' is not in data.path=") and "label, x, name" in message
+    )
+    assert one_line_error(config(skewed, label_column="lable")).startswith("data.label_column: column 'lable'")
+    assert "1021 rows, fewer than world size x data.batch_size = 3 x 400 = 1200" in one_line_error(
+        config(skewed, batch_size=400), world=3
+    )
+    assert one_line_error(config(skewed, test_path=str(tmp_path / "nope"))).startswith("data.test_path=")
+    # Found only when read: a column that cannot become a tensor.
+    data, _ = parquet.build(config(skewed, feature_columns=["name"]), env(), seed=0)
+    with pytest.raises(UserError, match=r"column 'name' has type string"):
+        next(iter(data))
+
+
+def _ranks_agree_and_refuse_different_data(rank: int, world: int, paths: list[str]) -> None:
+    data, _ = parquet.build(config(paths[0], batch_size=16), env(rank, world), seed=1)
+    counts = torch.zeros(world)
+    ids = []
+    for _, y in data:  # each step a collective, as in DDP: a rank with fewer batches would hang here
+        step = torch.ones(1)
+        dist.all_reduce(step)
+        counts[rank] += 1
+        ids += y.tolist()
+    dist.all_reduce(counts)
+    assert counts.tolist() == [len(data)] * world
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, ids)
+    assert len({i for part in everyone for i in part}) == sum(len(p) for p in everyone) == len(data) * 16 * world
+    # A rank that sees other files is refused on every rank, before any batch.
+    with pytest.raises(UserError, match="the ranks see different data"):
+        parquet.build(config(paths[rank == world - 1], batch_size=16), env(rank, world), seed=1)
+
+
+@pytest.mark.slow
+def test_real_ranks_run_in_lockstep_and_refuse_to_plan_from_different_files(tmp_path: Path, skewed: Path) -> None:
+    other = write_row_groups(tmp_path / "other", [[500, 30]])
+    run_on_ranks(_ranks_agree_and_refuse_different_data, 3, [str(skewed), str(other)])
