@@ -27,10 +27,12 @@ EXIT_USER_ERROR = 2
 
 
 def _run_stamp() -> str:
-    """The default run directory's name: a timestamp, or under an external torchrun the
-    run id that all its ranks share (so they agree on one directory)."""
+    """The default run directory's name: a timestamp, or under an external torchrun (or srun)
+    the run id (job and step) that all its ranks share, so they agree on one directory."""
     if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
         return f"torchrun/{os.environ['TORCHELASTIC_RUN_ID']}"
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # tasks of one srun: one directory
+        return f"slurm/{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
     return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
 
 

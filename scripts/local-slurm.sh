@@ -73,11 +73,11 @@ start_munge() {
   if id munge >/dev/null 2>&1; then
     $SUDO chown munge:munge /etc/munge/munge.key /run/munge /var/log/munge /var/lib/munge
     $SUDO chmod 400 /etc/munge/munge.key
-    $SUDO -u munge munged --force 2>/dev/null || $SUDO munged --force
-  else
-    $SUDO munged --force
   fi
-  pgrep -x munged >"$DIR/run/munged.started"
+  # --force: run even where the key or directories are not owned as munged would like (root, containers)
+  $SUDO munged --force --pid-file="$DIR/run/munged.pid"
+  for _ in $(seq 1 50); do [ -s "$DIR/run/munged.pid" ] && break; sleep 0.1; done
+  cp "$DIR/run/munged.pid" "$DIR/run/munged.started"
 }
 
 running() { [ -f "$DIR/run/$1.pid" ] && kill -0 "$(cat "$DIR/run/$1.pid")" 2>/dev/null; }

@@ -58,6 +58,7 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> d
     """One SLURM task = one rank, in this process."""
     import submitit
 
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # set in submitit's own jobs; not under a user's srun
     dist = submitit.helpers.TorchDistributedEnvironment()
     # GPUs: SLURM's --gpus-per-task (or the local rank) picks the device, not CUDA_VISIBLE_DEVICES.
     dist.export(set_cuda_visible_devices=False, overwrite=True)
@@ -94,7 +95,7 @@ class SlurmLauncher(Launcher):
             sys.executable,
             "-m",
             "dtf",
-            *sys.argv[1:],
+            *[arg for arg in sys.argv[1:] if not arg.startswith("hydra.run.dir=")],
             f"hydra.run.dir={run_dir}",  # every task composes the config again: they must agree on this
         ]
         code = subprocess.call(cmd)

@@ -129,3 +129,17 @@ def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf) -> None:  #
     job = _job_id(run)
     state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
     assert state in ("", "CANCELLED")  # dtf cancelled its job instead of leaving it pending forever
+
+
+def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path) -> None:
+    local = _ok(run_dtf(SHORT, tmp_path / "local"))
+    # salloc runs dtf inside a fresh allocation: dtf starts the ranks with srun instead of submitting
+    run = _ok(
+        run_dtf(
+            [*SHORT, "launcher=slurm"], tmp_path / "alloc", prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"]
+        )
+    )
+    assert "submitted SLURM job" not in run.stdout
+    s = run.summary
+    assert s["slurm_job_id"] and s["world_size"] == 2
+    assert s["params_sha256"] == local.summary["params_sha256"]
