@@ -82,9 +82,9 @@ def test_help_lists_groups_and_options() -> None:
     ).stdout
     for line in (
         "model: approximator, deep_mlp, mnist_cnn",
-        "data: digits, fake_images, scalar_field",
+        "data: digits, fake_images, petastorm, scalar_field",
         "strategy: ddp, fsdp, mics, zero",
-        "launcher: local",
+        "launcher: local, slurm, spark",
     ):
         assert line in out
     assert "schema" not in out  # dtf's schemas are not options a user picks
