@@ -144,7 +144,7 @@ def train(
         checkpoint_every_n_steps=cfg.checkpoint.every_n_steps,
         checkpoint_at_end=cfg.checkpoint.at_end,
         lr_scale=scale,
-        control=StepControl(stop_request or StopRequest(()), env.world_size),
+        control=StepControl(stop_request or StopRequest(()), env.world_size, cfg.checkpoint.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found = resolve_resume(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir) if env.is_main else None

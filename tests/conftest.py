@@ -70,5 +70,17 @@ def dtf(tmp_path: Path):  # type: ignore[no-untyped-def]
     return _run
 
 
+# A short 2-rank DDP run: the launcher tests (SLURM, Spark) compare their result with it.
+SHORT_RUN = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
+
+
+@pytest.fixture(scope="session")
+def short_local_run(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
+    """SHORT_RUN with launcher=local, run once per session."""
+    run = run_dtf(SHORT_RUN, tmp_path_factory.mktemp("short_local") / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 # In-process tests import the helper modules the way a user's PYTHONPATH would expose them.
 sys.path.insert(0, str(HELPERS))

@@ -79,6 +79,9 @@ class CheckpointConfig:
     # Signals that make all ranks agree to stop at the next step boundary, save one checkpoint and
     # exit with status 75 (EX_TEMPFAIL: requeue me). SLURM sends them before preemption or the time limit.
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # How often the ranks compare notes (a stop signal, a finished background save): a tiny
+    # collective every n steps. A stop takes effect within 2n steps.
+    stop_check_every_n_steps: int = 10
 
 
 @dataclass

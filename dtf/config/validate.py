@@ -142,6 +142,12 @@ def _check_checkpoint(c: DictConfig) -> None:
         "use a positive number of optimizer steps, or null to save only at the end",
     )
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "keep at least 1 checkpoint")
+    _require(
+        c.stop_check_every_n_steps >= 1,
+        "checkpoint.stop_check_every_n_steps",
+        c.stop_check_every_n_steps,
+        "use 1 or more",
+    )
     from dtf.train.stop import STOPPABLE_SIGNALS
 
     for name in c.stop_signals:

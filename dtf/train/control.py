@@ -1,10 +1,11 @@
 """Decisions all ranks must take at the same step: stop now (a signal reached some rank), and
 commit the checkpoint being written in the background (every rank has finished its part).
 
-Each step boundary posts this rank's view as one small all-reduce on a dedicated gloo group
-and reads the result posted at the previous boundary, so the loop never waits for it (the
-answer arrives a step late: "the next step boundary"). The dedicated group keeps these
-collectives out of the strategy's own stream of collectives, and on GPUs off NCCL.
+Every `every_n_steps`-th step boundary posts this rank's view as one small all-reduce on a
+dedicated gloo group and reads the result posted at the previous such boundary, so the loop
+never waits for it (the answer arrives one exchange late). The dedicated group keeps these
+collectives out of the strategy's own stream of collectives, and on GPUs off NCCL. Not every
+step: on a small model a collective per step costs a measurable share of the step time.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ class Agreement:
 
 
 class StepControl:
-    def __init__(self, stop_request: StopRequest, world_size: int) -> None:
+    def __init__(self, stop_request: StopRequest, world_size: int, every_n_steps: int = 1) -> None:
         self.stop_request = stop_request
         self.world_size = world_size
+        self.every_n_steps = every_n_steps
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
         self._posted: torch.Tensor | None = None
         self._work: dist.Work | None = None
 
-    def exchange(self, upload_step: int | None, upload_done: bool) -> Agreement:
-        """Called by every rank at every step boundary. upload_step: the step of this rank's
-        checkpoint still being written in the background (None if none); upload_done: whether
-        its part of that save has finished."""
+    def exchange(self, step: int, upload_step: int | None, upload_done: bool) -> Agreement:
+        """Called by every rank at every step boundary (step: the global step, equal on all ranks).
+        upload_step: the step of this rank's checkpoint still being written in the background
+        (None if none); upload_done: whether its part of that save has finished."""
+        if step % self.every_n_steps:
+            return Agreement(stop=False, committed_step=None)
         previous = self._receive()
         view = torch.tensor(
             [

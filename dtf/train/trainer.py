@@ -206,7 +206,9 @@ class Trainer:
     def _at_step_boundary(self, batch_in_epoch: int) -> bool:
         """Checkpoints due at this step, and the stop protocol. True when the run must stop here."""
         ck = self.checkpointer
-        agreed = self.control.exchange(ck.upload_step, ck.upload_done()) if self.control and ck else None
+        agreed = (
+            self.control.exchange(self.global_step, ck.upload_step, ck.upload_done()) if self.control and ck else None
+        )
         if agreed and ck and agreed.committed_step is not None and agreed.committed_step == ck.upload_step:
             ck.finish()  # every rank has written its part: commit without waiting for anything
         every = self.checkpoint_every_n_steps

@@ -39,7 +39,6 @@ STRATEGIES = {
     "mics": ["strategy=mics", "strategy.partition_group_size=2", "launcher.nproc=4"],
     # written in the background, committed once every rank is done
     "ddp_async": ["strategy=ddp", "checkpoint.async_save=true"],
-    "fsdp_async": ["strategy=fsdp", "checkpoint.async_save=true"],
 }
 
 
@@ -78,7 +77,6 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
         "zero1",
         "fsdp",
         "ddp_async",
-        pytest.param("fsdp_async", marks=pytest.mark.slow),
         pytest.param("zero2", marks=pytest.mark.slow),
         pytest.param("zero3", marks=pytest.mark.slow),
         pytest.param("mics", marks=pytest.mark.slow),

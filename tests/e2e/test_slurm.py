@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.helpers.clusters import script_cluster
 
-SHORT = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
+SHORT = SHORT_RUN
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,8 +38,10 @@ def _job_id(run: DtfRun) -> str:
 
 
 @pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=1"]])
-def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(tmp_path: Path, strategy: list[str]) -> None:
-    local = _ok(run_dtf([*SHORT, *strategy], tmp_path / "local"))
+def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(
+    tmp_path: Path, strategy: list[str], short_local_run: DtfRun
+) -> None:
+    local = short_local_run if strategy == ["strategy=ddp"] else _ok(run_dtf([*SHORT, *strategy], tmp_path / "local"))
     slurm = _ok(run_dtf([*SHORT, *strategy, "launcher=slurm"], tmp_path / "slurm"))
     job = _job_id(slurm)
     s = slurm.summary
@@ -131,8 +133,8 @@ def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf) -> None:  #
     assert state in ("", "CANCELLED")  # dtf cancelled its job instead of leaving it pending forever
 
 
-def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path) -> None:
-    local = _ok(run_dtf(SHORT, tmp_path / "local"))
+def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path, short_local_run: DtfRun) -> None:
+    local = short_local_run
     # salloc runs dtf inside a fresh allocation: dtf starts the ranks with srun instead of submitting
     run = _ok(
         run_dtf(

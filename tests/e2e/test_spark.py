@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DtfRun, run_dtf
+from tests.conftest import SHORT_RUN, DtfRun, run_dtf
 from tests.helpers.clusters import script_cluster
 
-SHORT = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
+SHORT = SHORT_RUN
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,10 @@ def _ok(run: DtfRun) -> DtfRun:
     return run
 
 
-def test_ranks_as_spark_barrier_tasks_give_the_local_result(tmp_path: Path, master: str) -> None:
-    local = _ok(run_dtf(SHORT, tmp_path / "local"))
+def test_ranks_as_spark_barrier_tasks_give_the_local_result(
+    tmp_path: Path, master: str, short_local_run: DtfRun
+) -> None:
+    local = short_local_run
     spark = _ok(run_dtf([*SHORT, "launcher=spark", f"launcher.master={master}"], tmp_path / "spark"))
     s = spark.summary
     assert s["launcher"] == "spark" and s["world_size"] == 2
