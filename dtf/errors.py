@@ -7,3 +7,13 @@ class UserError(Exception):
 
 class RankFailedError(UserError):
     """One or more ranks of a distributed run failed; the message names them."""
+
+
+def user_error_in(e: BaseException) -> UserError | None:
+    """The UserError behind e, if any: Hydra's instantiate wraps what a _target_ raises."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__
+    return None

@@ -21,7 +21,7 @@ from torch import nn
 from dtf import strategy as strategies
 from dtf.data import loader
 from dtf.dist import env as dist_env
-from dtf.errors import UserError
+from dtf.errors import UserError, user_error_in
 from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
 from dtf.train import schedule
 from dtf.train.checkpoint import Checkpointer, resolve_resume
@@ -79,8 +79,11 @@ def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
     exit code 2 (no traceback), which the launcher reports for the rank."""
     try:
         return worker_main(cfg, run_dir)
-    except UserError as e:
-        record_user_error(e)
+    except Exception as e:
+        user_error = user_error_in(e)  # also when a _target_ raised it (Hydra wraps it)
+        if user_error is None:
+            raise
+        record_user_error(user_error)
         raise SystemExit(EXIT_USER_ERROR) from None
 
 

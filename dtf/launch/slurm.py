@@ -29,7 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dtf.errors import RankFailedError, UserError
+from dtf.errors import RankFailedError, UserError, user_error_in
 from dtf.launch.base import Launcher, WorkerFn
 from dtf.train.stop import EXIT_STOPPED
 
@@ -64,8 +64,11 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> d
     dist.export(set_cuda_visible_devices=False, overwrite=True)
     try:
         result = fn(cfg, run_dir)
-    except UserError as e:  # reaches the driver as one line, through submitit's result file
-        return {"user_error": str(e)}
+    except Exception as e:
+        user_error = user_error_in(e)
+        if user_error is None:
+            raise
+        return {"user_error": str(user_error)}  # reaches the driver as one line, through submitit's result file
     if requeue and isinstance(result, dict) and "stopped_by" in result:
         if dist.rank == 0:
             # As submitit does on preemption; the requeued job finds the checkpoint in the same run dir.

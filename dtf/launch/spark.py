@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
-from dtf.errors import RankFailedError, UserError
+from dtf.errors import RankFailedError, UserError, user_error_in
 from dtf.launch.base import Launcher, WorkerFn
 
 LOG_DIR = "logs/spark"
@@ -91,16 +91,6 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
             raise RuntimeError(_USER_ERROR + str(user_error)) from None
     if rank == 0:
         yield result
-
-
-def user_error_in(e: BaseException) -> UserError | None:
-    """The UserError behind e, if any (Hydra's instantiate wraps what a _target_ raises)."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return seen
-        seen = seen.__cause__
-    return None
 
 
 def _check_master_reachable(master: str) -> None:

@@ -140,11 +140,19 @@ def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-un
     assert "Could not find 'strategy/nope'" in run.stderr and "\tddp" in run.stderr
 
 
-def test_user_error_inside_a_rank_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("data.dataset._target_=user_models.one_sample")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["data.dataset._target_=user_models.one_sample"], "data.dataset has 1 training samples for 2 ranks"),
+        # raised inside a _target_, which Hydra's instantiate wraps in its own exception
+        (["data.dataset.num_points=2000"], "data.dataset.num_test=2000 must be between 1 and num_points-1"),
+    ],
+)
+def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*args)
     assert run.returncode == 1, run.stderr
-    assert "Traceback" not in run.stderr
-    assert "data.dataset has 1 training samples for 2 ranks" in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {message}"), run.stderr
 
 
 def test_a_rank_that_raises_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
