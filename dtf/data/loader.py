@@ -5,6 +5,7 @@ built by dtf.data.parquet behind the same interface."""
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -150,6 +151,14 @@ class LoaderEvalData:
         return self.sampler.num_real_in_batch(batch_index, self.batch_size)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """In DataLoader worker processes: SLURM sends its warning signal (SIGUSR1, ...) to every process
+    of the job step, and by default it would kill the workers; the rank itself handles it (dtf.train.stop).
+    SIGTERM keeps its default, which the DataLoader uses to shut its workers down."""
+    for name in ("SIGUSR1", "SIGUSR2"):
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
+
+
 def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
     built = instantiate(dataset_cfg)
     if isinstance(built, tuple | list):
@@ -186,6 +195,7 @@ def from_datasets(
         )
     common = dict(
         num_workers=cfg.num_workers,
+        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
         pin_memory=cfg.pin_memory and env.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )

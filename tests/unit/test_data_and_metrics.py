@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.data
 
 from dtf.data.datasets import digits, scalar_field
 from dtf.data.even import EvalShardSampler, batch_size_of, take_first
@@ -63,3 +66,19 @@ def _metric_on_ranks(rank: int, world: int) -> None:
 
 def test_mean_metric_is_exact_across_ranks() -> None:
     run_on_ranks(_metric_on_ranks, 3)
+
+
+class _SignalsItselfOnce(torch.utils.data.TensorDataset):
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        if i == 0:  # as SLURM's step-wide SIGUSR1 would reach a DataLoader worker
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().__getitem__(i)
+
+
+def test_dataloader_workers_survive_slurms_warning_signal() -> None:
+    from dtf.data.loader import ignore_stop_signals
+
+    loader = torch.utils.data.DataLoader(
+        _SignalsItselfOnce(torch.arange(8.0)), batch_size=2, num_workers=1, worker_init_fn=ignore_stop_signals
+    )
+    assert [b[0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
