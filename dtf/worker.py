@@ -173,6 +173,7 @@ def train(
     trainer.fit()
     if trainer.stopped_at_step is not None:
         assert trainer.checkpointer is not None
+        tb.close()  # what was logged so far is kept; the resumed run appends to the same run dir
         return stopped_report(
             stop_request.signal_name if stop_request else None,
             trainer.stopped_at_step,
