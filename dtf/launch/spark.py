@@ -11,6 +11,7 @@ dir must be on storage the executors share); the driver streams rank 0's log and
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -35,6 +36,25 @@ _USER_ERROR = "DTF_USER_ERROR: "
 
 def _log_path(run_dir: str, rank: int) -> Path:
     return Path(run_dir) / LOG_DIR / f"rank_{rank}.log"
+
+
+def _error_path(run_dir: str, rank: int) -> Path:
+    return Path(run_dir) / LOG_DIR / f"rank_{rank}.error.json"
+
+
+def _first_rank_error(run_dir: str) -> UserError | None:
+    """The error of the rank that failed first, from the files the ranks wrote as they failed."""
+    found = []
+    for path in (Path(run_dir) / LOG_DIR).glob("rank_*.error.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            record = json.loads(path.read_text())
+            found.append((int(record["time_ns"]), int(path.name.split("_")[1].split(".")[0]), record))
+    if not found:
+        return None
+    _, rank, record = min(found)
+    if record["user_error"]:
+        return UserError(record["message"])
+    return RankFailedError(f"rank {rank} failed: {record['message']} (its log: {_log_path(run_dir, rank)})")
 
 
 @contextlib.contextmanager
@@ -80,11 +100,21 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
         MASTER_ADDR=hosts[0],
         MASTER_PORT=port,
     )
+    error_file = _error_path(run_dir, rank)
+    error_file.unlink(missing_ok=True)
     with _output_to(_log_path(run_dir, rank)):
         try:
             result = fn(cfg, run_dir)
         except Exception as e:
             user_error = user_error_in(e)
+            # When it failed, and why: the driver blames the rank that failed first, not a peer
+            # that only saw it go ("connection closed by peer"), whichever Spark reports.
+            message = (
+                str(user_error) if user_error else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
+            error_file.write_text(
+                json.dumps({"time_ns": time.time_ns(), "user_error": bool(user_error), "message": message})
+            )
             if user_error is None:
                 raise
             # Fails the task (so Spark stops the other ranks) with a message the driver recognises.
@@ -180,6 +210,9 @@ def _tail(path: Path, stop: threading.Event) -> None:
 
 
 def _failure(e: Exception, run_dir: str) -> UserError:
+    first = _first_rank_error(run_dir)
+    if first is not None:
+        return first
     text = str(e)
     user = re.search(re.escape(_USER_ERROR) + r"(.*)", text)
     if user:
