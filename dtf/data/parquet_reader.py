@@ -34,8 +34,9 @@ from dtf.errors import UserError
 Columns = dict[str, np.ndarray]
 
 
-class _TaggedArrowWorker(ArrowReaderWorker):
-    """make_batch_reader's worker (whole row groups as Arrow tables), publishing (row group index, table)."""
+class _TagsResults:
+    """Mixin for petastorm's reader workers: publishes (row group index, result) instead of the
+    result alone, so the main thread can put row groups back into plan order."""
 
     publish_func: Callable[[Any], None]
 
@@ -43,23 +44,17 @@ class _TaggedArrowWorker(ArrowReaderWorker):
         publish = self.publish_func
         self.publish_func = lambda result: publish((piece_index, result))
         try:
-            super().process(piece_index, worker_predicate, shuffle_row_drop_partition)
+            super().process(piece_index, worker_predicate, shuffle_row_drop_partition)  # type: ignore[misc]
         finally:
             self.publish_func = publish
 
 
-class _TaggedPyDictWorker(PyDictReaderWorker):
-    """make_reader's worker (rows decoded by the Unischema's codecs), publishing (row group index, rows)."""
+class _TaggedArrowWorker(_TagsResults, ArrowReaderWorker):
+    """make_batch_reader's worker (whole row groups as Arrow tables)."""
 
-    publish_func: Callable[[Any], None]
 
-    def process(self, piece_index: int, worker_predicate: Any, shuffle_row_drop_partition: Any) -> None:
-        publish = self.publish_func
-        self.publish_func = lambda result: publish((piece_index, result))
-        try:
-            super().process(piece_index, worker_predicate, shuffle_row_drop_partition)
-        finally:
-            self.publish_func = publish
+class _TaggedPyDictWorker(_TagsResults, PyDictReaderWorker):
+    """make_reader's worker (rows decoded by the Unischema's codecs)."""
 
 
 class _PlannedReader(Reader):
