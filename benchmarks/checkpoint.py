@@ -12,12 +12,11 @@ summary.json is rank 0's median time per save spent outside training steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from common import dtf_summary
 
 COMMON = [
     "model=deep_mlp",
@@ -33,17 +32,7 @@ COMMON = [
 
 
 def run(run_dir: Path, width: int, async_save: bool) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtf",
-        *COMMON,
-        f"model.width={width}",
-        f"checkpoint.async_save={str(async_save).lower()}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads((run_dir / "summary.json").read_text())
+    return dtf_summary(run_dir, [*COMMON, f"model.width={width}", f"checkpoint.async_save={str(async_save).lower()}"])
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import dtf_summary
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -38,18 +40,8 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
 
 
 def run_dtf(tmp: Path, i: int, args: argparse.Namespace) -> dict:
-    run_dir = tmp / f"dtf{i}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtf",
-        f"launcher.nproc={args.nproc}",
-        f"trainer.max_epochs={args.epochs}",
-        "trainer.progress=off",
-        f"hydra.run.dir={run_dir}",
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads((run_dir / "summary.json").read_text())
+    overrides = [f"launcher.nproc={args.nproc}", f"trainer.max_epochs={args.epochs}", "trainer.progress=off"]
+    return dtf_summary(tmp / f"dtf{i}", overrides)
 
 
 def main() -> None:

@@ -11,12 +11,11 @@ optimizer state actually held by each rank), relative to DDP at the same world s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from common import dtf_summary
 
 COMMON = [
     "model=deep_mlp",
@@ -40,19 +39,7 @@ CASES = [
 
 
 def run(tmp: Path, tag: str, world: int, overrides: list[str], steps: int) -> dict:
-    run_dir = tmp / tag
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtf",
-        *COMMON,
-        *overrides,
-        f"launcher.nproc={world}",
-        f"trainer.max_steps={steps}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads((run_dir / "summary.json").read_text())
+    return dtf_summary(tmp / tag, [*COMMON, *overrides, f"launcher.nproc={world}", f"trainer.max_steps={steps}"])
 
 
 def main() -> None:
