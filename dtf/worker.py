@@ -107,7 +107,7 @@ def train(
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)
 
-    scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size)
+    scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size, t.grad_accum_steps)
     schedule.scale_lr(optimizer, scale)
     settings = TrainerSettings(
         max_epochs=t.max_epochs,
@@ -119,14 +119,11 @@ def train(
         progress=t.progress,
         num_warmup_timing_steps=t.num_warmup_timing_steps,
     )
-    total_steps = settings.total_steps(len(train_data))
     start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
-    scheduler = schedule.build_scheduler(
+    user_scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    lr_schedule = schedule.LRSchedule(
         optimizer,
-        instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-        total_steps,
-        t.warmup_steps,
-        start_factor,
+        lambda total: schedule.build_scheduler(optimizer, user_scheduler, total, t.warmup_steps, start_factor),
     )
     tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
     trainer = Trainer(
@@ -135,7 +132,7 @@ def train(
         strategy,
         model,
         optimizer,
-        scheduler=scheduler,
+        schedule=lr_schedule,
         loss_fn=instantiate(cfg.loss),
         step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
         train_data=train_data,
@@ -146,7 +143,6 @@ def train(
         ),
         checkpoint_every_n_steps=cfg.checkpoint.every_n_steps,
         checkpoint_at_end=cfg.checkpoint.at_end,
-        lr_scale=scale,
         control=StepControl(stop_request or StopRequest(()), env.world_size, cfg.checkpoint.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
@@ -155,18 +151,18 @@ def train(
     if resume is not None:
         trainer.resume_from(Path(resume))
         if env.is_main:
-            print(f"dtf: resumed from {resume} (step {trainer.global_step})", flush=True)
+            print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
-            f"{loader.describe(train_data)}, {total_steps} optimizer steps, "
+            f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
             f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
             flush=True,
         )
-        if t.warmup_steps >= total_steps:
+        if t.warmup_steps >= trainer.schedule.plan.total:
             print(
-                f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {total_steps} optimizer steps: "
-                "the LR never reaches its target",
+                f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "
+                "optimizer steps: the LR never reaches its target",
                 flush=True,
             )
 

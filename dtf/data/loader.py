@@ -38,6 +38,10 @@ class TrainData(Protocol):
         """Position: a pure function of (seed, epoch, start_batch, rank, world size), so resuming is exact."""
         ...
 
+    def samples_after(self, num_batches: int) -> int:
+        """Samples of an epoch used by its first num_batches batches, over all ranks."""
+        ...
+
     @property
     def num_samples(self) -> int:
         """Samples (rows) in the training set."""
@@ -105,6 +109,11 @@ class LoaderTrainData:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
         self.sampler.set_epoch(epoch, skip=start_batch * self.batch_size)
+
+    def samples_after(self, num_batches: int) -> int:
+        # Every rank's share has the same length (DistributedSampler pads or cuts); the last batch may be short.
+        per_rank = min(self.sampler.num_samples, self.batches_per_epoch * self.batch_size)
+        return min(num_batches * self.batch_size, per_rank) * self.sampler.num_replicas
 
     @property
     def num_samples(self) -> int:

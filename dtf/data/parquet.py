@@ -161,6 +161,9 @@ class ParquetTrainData:
         """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
         self.epoch, self.start_batch = epoch, start_batch
 
+    def samples_after(self, num_batches: int) -> int:
+        return num_batches * self.batch_size * self.world_size  # every batch is full
+
     def segments(self) -> list[Segment]:
         """This rank's rows for the current epoch from start_batch on: a pure function of the settings."""
         order = EpochOrder(

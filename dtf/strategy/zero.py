@@ -55,6 +55,10 @@ class Zero1Strategy(DDPStrategy):
     # DDP or FSDP would save, so DCP can load it onto any world size or strategy.
     def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         local: Optimizer = optimizer.optim  # type: ignore[attr-defined]
+        # The wrapper copies its groups (the LR the scheduler just set) into the local optimizer only
+        # at the start of step(): between steps the local LR lags one scheduler step behind.
+        for group, local_group in zip(optimizer.param_groups, local.param_groups, strict=True):
+            local_group.update({k: v for k, v in group.items() if k != "params"})
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, local)}
 
     def load_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:

@@ -22,9 +22,15 @@ class MeanMetric:
         self.total.add_(mean_value.detach(), alpha=count)
         self.count += count
 
-    def set(self, total: float, count: int) -> None:
-        self.total.fill_(total)
-        self.count = count
+    def state_dict(self) -> dict[str, float | int]:
+        """The sums over every rank (a collective: call on all ranks)."""
+        total, count = self.global_sums()
+        return {"sum": total, "count": count}
+
+    def load_state_dict(self, state: dict[str, float | int], holder: bool) -> None:
+        """Sums saved over all ranks go to one rank (holder), so that adding up the ranks counts them once."""
+        self.total.fill_(float(state["sum"]) if holder else 0.0)
+        self.count = int(state["count"]) if holder else 0
 
     def local(self) -> float:
         return self.total.item() / self.count if self.count else float("nan")

@@ -69,7 +69,8 @@ CASES = {
         args=["optimizer=sgd", "optimizer.lr=0.05", "trainer.lr_scaling=sqrt", "data.batch_size=16",
               "trainer.grad_accum_steps=2", "trainer.grad_clip_norm=0.5", "trainer.warmup_steps=10",
               "trainer.max_steps=150"],
-        loop=dict(batch_size=16, epochs=0, lr=0.05, optimizer="sgd", lr_scale=math.sqrt(2), accum=2,
+        # the global batch is 2 ranks x 2 micro-batches x 16: sqrt scaling multiplies the LR by sqrt(4)
+        loop=dict(batch_size=16, epochs=0, lr=0.05, optimizer="sgd", lr_scale=math.sqrt(2 * 2), accum=2,
                   clip=0.5, warmup_steps=10, max_steps=150)),
 }
 

@@ -240,3 +240,94 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
     final = _ok(run_dtf(args, run_dir))
     assert final.summary["resumed_from_step"] == newest
     _same_run(final, straight_failing)
+
+
+def test_zero1_resume_inside_the_warmup_ends_bit_for_bit_where_the_straight_run_ends(tmp_path: Path) -> None:
+    # ZeroRedundancyOptimizer's local param_groups lag one scheduler step behind its own: a resume
+    # that restores those would continue the warm-up from the previous step's LR, forever behind.
+    args = ["strategy=zero", "strategy.stage=1", "trainer.warmup_steps=100", *COMMON[:2]]
+    straight = _ok(run_dtf([*args, "trainer.max_steps=300"], tmp_path / "straight"))
+    _ok(run_dtf([*args, "trainer.max_steps=50"], tmp_path / "resumed"))
+    resumed = _ok(run_dtf([*args, "trainer.max_steps=300"], tmp_path / "resumed"))
+    assert resumed.summary["resumed_from_step"] == 50
+    assert resumed.summary["lr_final"] == straight.summary["lr_final"]
+    _same_run(resumed, straight)
+
+
+def _scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        values.update({e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {})
+    return values
+
+
+# 2,000 training samples, 32 per batch: 32 batches per epoch on 2 ranks, 63 on 1, 16 on 4.
+WORLD = [
+    "data.dataset.num_points=2400",
+    "data.dataset.num_test=400",
+    "scheduler=cosine",
+    "trainer.log_every_n_steps=1",
+    "checkpoint.every_n_steps=32",
+    "checkpoint.keep_last=10",
+    "trainer.max_epochs=4",
+]
+STEPS_PER_EPOCH = {1: 63, 2: 32, 4: 16}
+
+
+@pytest.fixture(scope="module")
+def four_epochs_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
+    return _ok(run_dtf(WORLD, tmp_path_factory.mktemp("world") / "run"))
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_resume_onto_another_world_size_keeps_the_budget_and_the_schedule(
+    tmp_path: Path, nproc: int, four_epochs_on_two_ranks: DtfRun
+) -> None:
+    source = four_epochs_on_two_ranks
+    checkpoint = source.run_dir / "checkpoints" / f"step_{64:09d}"  # the end of epoch 2
+    run = _ok(run_dtf([*WORLD, f"launcher.nproc={nproc}", f"checkpoint.resume={checkpoint}"], tmp_path / "run"))
+    s = run.summary
+    # the budget is the one asked for: 4 epochs in all, the last 2 at this world size's steps per epoch
+    assert s["epochs"] == 4 and len(s["train_loss_per_epoch"]) == 4 and len(s["test_loss_per_epoch"]) == 4
+    assert s["global_step"] == 64 + 2 * STEPS_PER_EPOCH[nproc]
+    assert s["samples_seen"] == source.summary["samples_seen"] == 4 * 2000
+    # the cosine continues from where it was (rescaled for the world size, linear scaling) and ends on time
+    before = _scalars(source.run_dir, "train/lr")
+    after = _scalars(run.run_dir, "train/lr")
+    per_step_change = abs(before[64] - before[65])
+    assert after[65] == pytest.approx(before[64] * nproc / 2, abs=2 * per_step_change * nproc / 2)
+    assert s["lr_final"] == pytest.approx(0.0, abs=1e-12) == source.summary["lr_final"]
+
+
+def test_resume_with_a_larger_epoch_budget_on_one_rank_trains_exactly_the_epochs_asked_for(
+    tmp_path: Path, four_epochs_on_two_ranks: DtfRun
+) -> None:
+    # the repro: 2 epochs on 2 ranks, then max_epochs=4 on 1 rank from its last checkpoint
+    first = _ok(run_dtf([*WORLD, "trainer.max_epochs=2"], tmp_path / "a"))
+    assert first.summary["epochs"] == 2
+    checkpoint = tmp_path / "a" / "checkpoints" / f"step_{64:09d}"
+    run = _ok(run_dtf([*WORLD, "launcher.nproc=1", f"checkpoint.resume={checkpoint}"], tmp_path / "b"))
+    assert run.summary["epochs"] == 4 and run.summary["global_step"] == 64 + 2 * 63
+
+
+def test_throughput_and_training_time_after_a_resume_count_each_sample_and_second_once(tmp_path: Path) -> None:
+    # every forward sleeps 50 ms, so a step takes at least that: training time and rates have hard bounds
+    args = [
+        *FAILING[:1],
+        "+model.fail_rank=-1",
+        "+model.delay_s=0.05",
+        *COMMON[:2],
+        "trainer.log_every_n_steps=1",
+        "checkpoint.every_n_steps=10",
+    ]
+    _ok(run_dtf([*args, "trainer.max_steps=20"], tmp_path / "run"))  # stops inside epoch 1 (32 steps)
+    resumed = _ok(run_dtf([*args, "trainer.max_steps=40"], tmp_path / "run"))
+    s = resumed.summary
+    assert s["resumed_from_step"] == 20 and s["samples_seen"] == 2000 + 8 * 64  # epoch 1 (32 steps), 8 steps more
+    assert s["train_seconds"] >= 40 * 0.05  # the 20 steps before the resume count too
+    rates = _scalars(resumed.run_dir, "train/samples_per_sec")
+    assert max(v for step, v in rates.items() if step > 20) <= 64 / 0.05  # 64 samples per step, >= 50 ms each

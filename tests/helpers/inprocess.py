@@ -1,0 +1,49 @@
+"""Train in this very process, on one rank (a process group of one): the whole loop, checkpoints
+and resume included, in about a second, without starting any process. For the trainer's own
+logic (positions, budgets, schedules, accumulation), where a subprocess run would only add time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
+
+from dtf.config import store
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python -m dtf <overrides>` would run, validated and frozen as the driver does."""
+    from dtf.config.validate import validate
+
+    store.register()
+    with initialize_config_module("dtf.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["launcher.nproc=1", "trainer.progress=off", *overrides])
+    validate(cfg)
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def train_in_process(overrides: list[str], run_dir: Path) -> dict[str, Any] | None:
+    """worker.train on a process group of one; returns the summary (or the stop report)."""
+    from dtf.dist import env as dist_env
+    from dtf.worker import train
+
+    cfg = compose_config(overrides)
+    saved = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dist_env.init("cpu", "gloo", 60.0)
+    try:
+        return train(cfg, env, run_dir)
+    finally:
+        dist_env.destroy()
+        for key, value in saved.items():  # init sets MASTER_ADDR/PORT: leave the environment as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,90 @@
+"""The training loop's own logic, in process on one rank: budgets, positions, resume at every
+point of an epoch, accumulation windows, evaluation weights, LR scaling. Each case is checked
+against an uninterrupted run or a direct computation, in a second or so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.inprocess import train_in_process
+
+# 2,000 training samples: 63 batches of 32 per epoch on one rank (the last one of 16).
+SMALL = ["data.dataset.num_points=2400", "data.dataset.num_test=400", "checkpoint.every_n_steps=null"]
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+    summary = train_in_process([*SMALL, *args], tmp_path / name)
+    assert summary is not None
+    return summary
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in ("params_sha256", "global_step", "epochs", "train_loss_per_epoch", "test_loss_per_epoch", "lr_final"):
+        assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("steps", [45, 63, 126])  # mid-epoch, the last batch of an epoch, the end of epoch 2
+def test_a_finished_run_run_again_ends_where_it_ended(tmp_path: Path, steps: int) -> None:
+    first = _run(tmp_path, "run", f"trainer.max_steps={steps}")
+    again = _run(tmp_path, "run", f"trainer.max_steps={steps}")
+    assert again["resumed_from_step"] == steps
+    _same(again, first)
+    assert again["samples_seen"] == first["samples_seen"]
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("stop_at", [1, 20, 21, 42])  # in epoch 1, at its last step, in epoch 2 (accum 1: 63/epoch)
+def test_resume_at_every_position_ends_where_the_straight_run_ends(tmp_path: Path, accum: int, stop_at: int) -> None:
+    args = [f"trainer.grad_accum_steps={accum}", "scheduler=step", "scheduler.step_size=7", "trainer.warmup_steps=5"]
+    straight = _run(tmp_path, "straight", *args, "trainer.max_epochs=3")
+    _run(tmp_path, "resumed", *args, f"trainer.max_steps={stop_at}")
+    resumed = _run(tmp_path, "resumed", *args, "trainer.max_epochs=3")
+    assert resumed["resumed_from_step"] == stop_at
+    _same(resumed, straight)
+    assert resumed["samples_seen"] == straight["samples_seen"] == 3 * 2000
+
+
+def _masked_step(model: torch.nn.Module, batch: Any, loss_fn: Any) -> tuple[torch.Tensor, int]:
+    """Only samples with x > 0 count: the loss is their mean and the count is how many there are."""
+    x, y = batch
+    keep = x[:, 0] > 0
+    return loss_fn(model(x[keep]), y[keep]), int(keep.sum())
+
+
+def test_evaluation_weighs_batches_by_the_count_a_step_function_returns(tmp_path: Path) -> None:
+    s = _run(
+        tmp_path,
+        "run",
+        "trainer.max_steps=5",
+        "+trainer.step_fn._target_=tests.unit.test_trainer._masked_step",
+        "+trainer.step_fn._partial_=true",
+    )
+    from dtf.data.datasets import scalar_field
+    from dtf.models.approximator import Approximator
+
+    model = Approximator()
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True))
+    _, test = scalar_field(num_points=2400, num_test=400)
+    x, y = test.tensors
+    keep = x[:, 0] > 0
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(model(x[keep]), y[keep]).item()
+    assert s["final_test_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(("mode", "factor"), [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)])
+def test_lr_scaling_follows_the_global_batch_including_accumulation(tmp_path: Path, mode: str, factor: float) -> None:
+    # one rank, 4 micro-batches per step: the global batch is 4 x data.batch_size (Goyal et al.)
+    s = _run(
+        tmp_path,
+        mode,
+        "trainer.max_steps=2",
+        "trainer.grad_accum_steps=4",
+        f"trainer.lr_scaling={mode}",
+        "optimizer.lr=0.001",
+    )
+    assert s["lr_final"] == pytest.approx(0.001 * factor)
