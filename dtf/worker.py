@@ -27,6 +27,7 @@ from dtf.train import schedule
 from dtf.train.checkpoint import Checkpointer, resolve_resume
 from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
+from dtf.train.loss import TargetsLikeOutput
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, TrainerSettings, supervised_step
 
@@ -87,6 +88,13 @@ def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+def label_source(data: DictConfig) -> str:
+    """Where the labels come from, as error messages name it."""
+    if "label_column" in data:
+        return f"data.label_column={data.label_column}"
+    return "data.dataset (its targets)"
+
+
 def train(
     cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest | None = None
 ) -> dict[str, Any] | None:
@@ -133,7 +141,7 @@ def train(
         model,
         optimizer,
         schedule=lr_schedule,
-        loss_fn=instantiate(cfg.loss),
+        loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(cfg.data)),
         step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
         train_data=train_data,
         eval_data=eval_data,
