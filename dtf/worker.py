@@ -24,7 +24,7 @@ from dtf.dist import env as dist_env
 from dtf.errors import UserError, user_error_in
 from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
 from dtf.train import schedule
-from dtf.train.checkpoint import Checkpointer, resolve_resume
+from dtf.train.checkpoint import Checkpointer, attempt_number, choose_start
 from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
 from dtf.train.loss import TargetsLikeOutput
@@ -154,7 +154,13 @@ def train(
         control=StepControl(stop_request or StopRequest(()), env.world_size, cfg.checkpoint.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
-    found = resolve_resume(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir) if env.is_main else None
+    found, note = (
+        choose_start(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir, attempt_number())
+        if env.is_main
+        else (None, None)
+    )
+    if note:
+        print(f"dtf: {note}", flush=True)
     resume = dist_env.broadcast_from_main(str(found) if found else None)
     if resume is not None:
         trainer.resume_from(Path(resume))

@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import shutil
+import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -276,3 +277,34 @@ def resolve_resume(setting: str, root: Path) -> Path | None:
     if not ok:
         raise UserError(f"checkpoint.resume={setting} is not a complete checkpoint: {why}")
     return path
+
+
+def attempt_number() -> int:
+    """0 on a run's first attempt; the restart count when torch elastic restarted the ranks
+    (launcher.max_restarts, torchrun) or SLURM requeued the job."""
+    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+
+
+def choose_start(setting: str, root: Path, attempt: int) -> tuple[Path | None, str | None]:
+    """The checkpoint a run starts from, and a note for the user. One rule for a run directory:
+    a restart or requeue (attempt > 0) always continues this run from its newest checkpoint, whatever
+    checkpoint.resume says (that is for the first attempt); a fresh start (never, or another
+    checkpoint's path) in a run dir that holds checkpoints moves them aside first, so that they
+    can neither outlive the new run's checkpoints nor be continued by a later resume=auto."""
+    if attempt > 0:
+        found = committed(root)
+        if found or setting in ("auto", "never"):
+            return (found[0] if found else None), None
+        return resolve_resume(setting, root), None  # no checkpoint of its own yet: where the first attempt began
+    start = resolve_resume(setting, root)
+    if setting == "auto" or not root.is_dir() or not any(root.glob(f"{_PREFIX}*")):
+        return start, None
+    aside = root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "_")
+    inside = start is not None and start.resolve().is_relative_to(root.resolve())
+    root.rename(aside)
+    if start is not None and inside:
+        start = aside / start.resolve().relative_to(root.resolve())  # one of them: load it from where it is now
+    how = "this run starts fresh" if start is None else f"this run starts from {start}"
+    return start, f"checkpoint.resume={setting}: {how}; the run dir's earlier checkpoints were moved to {aside}"

@@ -331,3 +331,37 @@ def test_throughput_and_training_time_after_a_resume_count_each_sample_and_secon
     assert s["train_seconds"] >= 40 * 0.05  # the 20 steps before the resume count too
     rates = _scalars(resumed.run_dir, "train/samples_per_sec")
     assert max(v for step, v in rates.items() if step > 20) <= 64 / 0.05  # 64 samples per step, >= 50 ms each
+
+
+def test_a_fresh_start_in_a_used_run_dir_moves_the_old_checkpoints_aside(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _ok(run_dtf([*COMMON, "trainer.max_steps=100"], run_dir))  # leaves steps 80 and 100
+    fresh = _ok(run_dtf([*COMMON, "trainer.max_steps=60", "checkpoint.resume=never"], run_dir))
+    assert fresh.summary["resumed_from_step"] is None
+    assert _steps(run_dir / "checkpoints") == [40, 60]  # the new run's own, not the old run's higher steps
+    aside = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.")]
+    assert len(aside) == 1 and _steps(aside[0]) == [80, 100], "the old run's checkpoints are kept, not deleted"
+    assert f"moved to {aside[0]}" in fresh.stdout
+    # the default (resume=auto) now continues the new run, not the old one
+    again = _ok(run_dtf([*COMMON, "trainer.max_steps=100"], run_dir))
+    assert again.summary["resumed_from_step"] == 60
+
+
+def test_a_restarted_run_that_started_fresh_resumes_from_its_own_newest_checkpoint(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # checkpoint.resume=never is for the first attempt: the restart after rank 1 dies continues this run
+    restarted = _ok(
+        run_dtf(
+            [
+                *FAILING,
+                "+model.fail_at_call=75",
+                "+model.first_attempt_only=true",
+                "launcher.max_restarts=1",
+                "checkpoint.resume=never",
+            ],
+            tmp_path / "restarted",
+        )
+    )
+    assert restarted.summary["resumed_from_step"] == 60
+    _same_run(restarted, straight_failing)

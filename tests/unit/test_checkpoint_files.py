@@ -70,3 +70,20 @@ def test_rng_states_round_trip_through_weights_only(tmp_path: Path) -> None:
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
+
+
+def test_a_fresh_start_from_one_of_the_run_dirs_own_checkpoints_loads_it_from_where_it_was_moved(
+    tmp_path: Path,
+) -> None:
+    from dtf.train.checkpoint import choose_start
+
+    root = tmp_path / "checkpoints"
+    _checkpoint(root, 10)
+    _checkpoint(root, 20)
+    start, note = choose_start(str(root / "step_000000010"), root, attempt=0)
+    assert start is not None and start.parent != root and start.name == "step_000000010" and is_complete(start)[0]
+    assert not root.exists() and note is not None and str(start.parent) in note
+    # a restart continues this run (here: it has no checkpoint yet, so from where its first attempt began)
+    assert choose_start(str(start), root, attempt=1) == (start, None)
+    _checkpoint(root, 30)
+    assert choose_start("never", root, attempt=1) == (root / "step_000000030", None)
