@@ -5,8 +5,12 @@ atomically (write, fsync, rename), once every rank has finished writing.
 Layout: <run_dir>/checkpoints/step_<global step>/
     .metadata, __<rank>_0.distcp   DCP: model and optimizer state (resharded on load)
     rank_<r>.pt                    this rank's RNG states (torch.save, loaded with weights_only)
-    trainer.pt                     loop position, epoch metrics, LR scheduler (rank 0)
-    COMMITTED.json                 step, world size, strategy, every file's size; written last
+    trainer.pt                     loop position, epoch metrics, LR schedule (rank 0)
+    COMMITTED.json                 step, world size, strategy, every file's size and CRC32; written last
+
+Nothing in a checkpoint can run code when read: DCP's pickled .metadata is read by an unpickler
+that builds only DCP's own metadata classes (named exactly), DCP's non-tensor entries load with
+weights_only=True, and so do dtf's own files.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import time
-import warnings
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -103,33 +110,88 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# Every global a DCP .metadata file may name, exactly (module, name): no dotted names, no modules.
 _METADATA_CLASSES = frozenset(
     {
         ("pathlib", "PosixPath"),
         ("pathlib", "PurePosixPath"),
         ("pathlib", "WindowsPath"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # looks a layout up by name in a fixed table
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        *(
+            (_DCP_METADATA, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
     }
 )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP reads its .metadata with plain pickle.load. Before it does, dtf reads the file with this
-    unpickler, which builds only DCP's own metadata classes and the torch types they hold, so a
-    tampered or garbage checkpoint is refused instead of running code (weights_only semantics)."""
+    """DCP's .metadata is a pickle. This unpickler builds only DCP's own metadata classes and the
+    torch types they hold, each named exactly, so a tampered or garbage file is refused instead of
+    running code (the same promise as torch.load's weights_only)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module, name) in _METADATA_CLASSES
-            or module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not allowed:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." in name or not ((module, name) in _METADATA_CLASSES or dtype):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
         return super().find_class(module, name)
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by _MetadataUnpickler instead of pickle.load."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{type(metadata).__name__} is not a checkpoint's metadata")
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, with values that are not tensors (an optimizer's param_groups, ...)
+    loaded with weights_only=True (DCP's own loads them with weights_only=False)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def load_app_state(path: Path, app_state: dict[str, Any]) -> None:
+    """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code."""
+    try:
+        dcp.load(app_state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
+    except CheckpointException as e:
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        reason = next((line for line in str(refused[0]).splitlines() if "GLOBAL" in line), "not plain data")
+        raise UserError(
+            f"checkpoint {path} holds a value that could run code when loaded, and was refused ({reason.strip()}): "
+            "resume only from checkpoints you trust"
+        ) from None
 
 
 def _metadata_problem(path: Path) -> str:
@@ -141,16 +203,40 @@ def _metadata_problem(path: Path) -> str:
     return ""
 
 
+def file_crc32(path: Path) -> str:
+    """CRC32 of a file (zlib's, about 6 GB/s here): catches bytes changed after the commit."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+def write_marker(path: Path, step: int, world_size: int, strategy: str, files: dict[str, dict[str, Any]]) -> None:
+    """The commit: written last and atomically, once every file it lists is on disk."""
+    meta = {"step": step, "world_size": world_size, "strategy": strategy, "files": dict(sorted(files.items()))}
+    _fsync_write(path / MARKER, json.dumps(meta, indent=1).encode())
+
+
+def _marker_files(path: Path) -> dict[str, dict[str, Any]]:
+    files = json.loads((path / MARKER).read_text())["files"]
+    if not isinstance(files, dict) or not all(isinstance(r, dict) and "crc32" in r for r in files.values()):
+        raise ValueError("it lists no checksums (written by an older dtf)")
+    return files
+
+
 def is_complete(path: Path) -> tuple[bool, str]:
-    """A checkpoint counts only with its marker, and only if every file it lists has its size."""
-    marker = path / MARKER
-    if not marker.is_file():
+    """Cheap: the marker exists, every file it lists has its size, and the metadata is safe to read."""
+    if not (path / MARKER).is_file():
         return False, "no commit marker (the save was interrupted)"
     try:
-        meta = json.loads(marker.read_text())
-        for name, size in meta["files"].items():
+        for name, record in _marker_files(path).items():
             f = path / name
-            if not f.is_file() or f.stat().st_size != size:
+            if not f.is_file() or f.stat().st_size != record["size"]:
                 return False, f"{name} is missing or truncated"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return False, f"unreadable commit marker ({e})"
@@ -158,11 +244,22 @@ def is_complete(path: Path) -> tuple[bool, str]:
     return (False, problem) if problem else (True, "")
 
 
-def committed(root: Path) -> list[Path]:
-    """Complete checkpoints under root, newest first; incomplete ones are named in a warning."""
+def verify(path: Path) -> tuple[bool, str]:
+    """is_complete, and every file's CRC32 as the marker recorded it (reads the whole checkpoint)."""
+    ok, why = is_complete(path)
+    if not ok:
+        return ok, why
+    for name, record in _marker_files(path).items():
+        if file_crc32(path / name) != record["crc32"]:
+            return False, f"{name} is damaged (its checksum differs from the one recorded at the commit)"
+    return True, ""
+
+
+def scan(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(complete checkpoints under root, newest first; incomplete ones with the reason)."""
     if not root.is_dir():
-        return []
-    found = []
+        return [], []
+    found, skipped = [], []
     for path in sorted(root.glob(f"{_PREFIX}*"), key=lambda p: p.name, reverse=True):
         if not path.name[len(_PREFIX) :].isdigit():
             continue
@@ -170,8 +267,17 @@ def committed(root: Path) -> list[Path]:
         if ok:
             found.append(path)
         else:
-            warnings.warn(f"dtf: skipping checkpoint {path}: {why}", stacklevel=2)
-    return found
+            skipped.append((path, why))
+    return found, skipped
+
+
+def _warn(text: str) -> None:
+    print(f"dtf: warning: {text}", file=sys.stderr, flush=True)
+
+
+def committed(root: Path) -> list[Path]:
+    """Complete checkpoints under root, newest first."""
+    return scan(root)[0]
 
 
 class Checkpointer:
@@ -233,18 +339,29 @@ class Checkpointer:
 
     def _commit(self, step: int, path: Path) -> None:
         _barrier()  # every rank's files are on disk before the marker says so
+        # Each rank checksums the files it wrote, in parallel and from its own page cache.
+        mine = [
+            f"__{self.env.rank}_",
+            f"rank_{self.env.rank}.pt",
+            *((".metadata", TRAINER_FILE) if self.env.is_main else ()),
+        ]
+        records = {f.name: file_record(f) for f in path.iterdir() if f.is_file() and f.name.startswith(tuple(mine))}
+        gathered: list[Any] = [records]
+        if dist.is_initialized() and self.env.world_size > 1:
+            gathered = [None] * self.env.world_size if self.env.is_main else []
+            dist.gather_object(records, gathered if self.env.is_main else None, dst=0)
         if self.env.is_main:
-            files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
-            meta = {"step": step, "world_size": self.env.world_size, "strategy": self.strategy_name, "files": files}
-            _fsync_write(path / MARKER, json.dumps(meta, indent=1).encode())
+            files = {name: record for part in gathered for name, record in part.items()}
+            for f in path.iterdir():  # anything no rank claimed (a file layout DCP may change) is checksummed here
+                if f.is_file() and f.name not in files:
+                    files[f.name] = file_record(f)
+            write_marker(path, step, self.env.world_size, self.strategy_name, files)
             self._prune()
         _barrier()
 
     def _prune(self) -> None:
         """Delete all but the newest keep_last complete checkpoints (incomplete ones too: never loadable)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            keep = set(committed(self.root)[: self.keep_last])
+        keep = set(committed(self.root)[: self.keep_last])
         for path in self.root.glob(f"{_PREFIX}*"):
             if path not in keep and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -253,7 +370,7 @@ class Checkpointer:
         """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's
         RNG state or None when the world size changed, saved world size)."""
         meta = json.loads((path / MARKER).read_text())
-        dcp.load(app_state, checkpoint_id=str(path))
+        load_app_state(path, app_state)
         trainer_state = torch.load(path / TRAINER_FILE, weights_only=True)
         rank_file = path / f"rank_{self.env.rank}.pt"
         same_world = meta["world_size"] == self.env.world_size
@@ -261,19 +378,32 @@ class Checkpointer:
         return trainer_state, rng, int(meta["world_size"])
 
 
+def newest_intact(root: Path) -> Path | None:
+    """The newest checkpoint under root that is complete and undamaged; each one passed over is named
+    in a warning line (incomplete ones are normal after a kill; damaged ones are not)."""
+    found, skipped = scan(root)
+    for path, why in skipped:
+        _warn(f"skipping checkpoint {path}: {why}")
+    for path in found:
+        ok, why = verify(path)
+        if ok:
+            return path
+        _warn(f"skipping checkpoint {path}: {why}; resuming from the one before it")
+    return None
+
+
 def resolve_resume(setting: str, root: Path) -> Path | None:
-    """checkpoint.resume: auto (newest complete checkpoint of this run dir, if any), never, or a path."""
+    """checkpoint.resume: auto (newest intact checkpoint of this run dir, if any), never, or a path."""
     if setting == "never":
         return None
     if setting == "auto":
-        found = committed(root)
-        return found[0] if found else None
+        return newest_intact(root)
     path = Path(setting)
     if not path.is_dir():
         raise UserError(
             f"checkpoint.resume={setting}: no such checkpoint directory; give a step_* folder, auto or never"
         )
-    ok, why = is_complete(path)
+    ok, why = verify(path)
     if not ok:
         raise UserError(f"checkpoint.resume={setting} is not a complete checkpoint: {why}")
     return path
@@ -292,9 +422,9 @@ def choose_start(setting: str, root: Path, attempt: int) -> tuple[Path | None, s
     checkpoint's path) in a run dir that holds checkpoints moves them aside first, so that they
     can neither outlive the new run's checkpoints nor be continued by a later resume=auto."""
     if attempt > 0:
-        found = committed(root)
-        if found or setting in ("auto", "never"):
-            return (found[0] if found else None), None
+        newest = newest_intact(root)
+        if newest is not None or setting in ("auto", "never"):
+            return newest, None
         return resolve_resume(setting, root), None  # no checkpoint of its own yet: where the first attempt began
     start = resolve_resume(setting, root)
     if setting == "auto" or not root.is_dir() or not any(root.glob(f"{_PREFIX}*")):

@@ -365,3 +365,24 @@ def test_a_restarted_run_that_started_fresh_resumes_from_its_own_newest_checkpoi
     )
     assert restarted.summary["resumed_from_step"] == 60
     _same_run(restarted, straight_failing)
+
+
+def test_a_checkpoint_damaged_after_its_commit_is_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
+    run_dir = tmp_path / "resumed"
+    _ok(run_dtf([*COMMON, f"trainer.max_steps={K}"], run_dir))
+    newest = run_dir / "checkpoints" / f"step_{K:09d}"
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle of the tensors: same size, new values
+    shard.write_bytes(bytes(data))
+    named = run_dtf([*COMMON, f"checkpoint.resume={newest}"], tmp_path / "named")
+    assert named.returncode == 2
+    assert named.stderr.strip().splitlines() == [
+        f"dtf: error: checkpoint.resume={newest} is not a complete checkpoint: {shard.name} is damaged (its "
+        "checksum differs from the one recorded at the commit)"
+    ]
+    resumed = _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], run_dir))
+    warned = [line for line in resumed.stderr.splitlines() if str(newest) in line]
+    assert len(warned) == 1 and "damaged" in warned[0], resumed.stderr
+    assert resumed.summary["resumed_from_step"] == 40  # the one before it
+    _same_run(resumed, straight_ddp)
