@@ -218,21 +218,33 @@ def job_state(job_id: str) -> tuple[str, str] | None:
     Not sacct: clusters without accounting storage have no sacct (submitit's watcher needs it)."""
     try:
         out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=60
+            # -t all: with -j alone, squeue leaves out a job that has ended
+            ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T %r"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return ("UNKNOWN", "")
     return (out[0], out[1] if len(out) > 1 else "") if out else None
 
 
+# How long the driver waits, once every rank's result is in, for the job to leave the queue (its
+# steps end, then it is COMPLETING until SLURM has cleaned up after them: KillWait, epilog).
+LEAVE_QUEUE_S = 120.0
+
+
 def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Any:
-    """Streams rank 0's output while the job runs (through requeues), then returns its result."""
+    """Streams rank 0's output while the job runs (through requeues), then returns its result once
+    the job has left the queue: not while it still runs or is COMPLETING, so that whoever comes next
+    (another job, `scripts/local-slurm.sh stop`) finds the node free."""
     from submitit.core.utils import JobPaths, pickle_load
 
     paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
     shown = 0
-    gone_since: float | None = None
-    while not all(p.result_pickle.exists() for p in paths):
+    ended_at: float | None = None
+    results_at: float | None = None
+    while True:
         if stream:
             shown = _print_new(paths[0].stdout, shown)
         state = job_state(job.job_id)
@@ -243,11 +255,26 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
                 f"cannot give {tasks // tasks_per_node} node(s) x {tasks_per_node} task(s) with these settings; "
                 "lower launcher.nodes, launcher.tasks_per_node or launcher.cpus_per_task, or pick launcher.partition"
             )
+        have_results = all(p.result_pickle.exists() for p in paths)
         if state is None or state[0] in _FINAL_STATES:
-            gone_since = gone_since or time.monotonic()
-            if time.monotonic() - gone_since > 10:  # result files of a finished job appear within seconds
+            if have_results:
                 break
-        time.sleep(1.0)
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > 10:  # result files of a finished job appear within seconds
+                break
+        else:
+            ended_at = None  # a requeued job comes back
+            if have_results:
+                results_at = results_at or time.monotonic()
+                if time.monotonic() - results_at > LEAVE_QUEUE_S:
+                    print(
+                        f"dtf: warning: every rank of SLURM job {job.job_id} has finished, but the job is still "
+                        f"{state[0]} after {LEAVE_QUEUE_S:.0f}s; not waiting for it any longer",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
+        time.sleep(0.2 if have_results else 1.0)
     if stream:
         _print_new(paths[0].stdout, shown)
     logs = Path(run_dir) / JOB_FOLDER
