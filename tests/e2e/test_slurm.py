@@ -151,6 +151,36 @@ def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path,
     assert s["params_sha256"] == local.summary["params_sha256"]
 
 
+def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tmp_path: Path) -> None:
+    # the driver resolves each point's config; srun's tasks load it, they never re-parse the sweep's argv
+    sweep_dir = tmp_path / "sweep"
+    run = run_dtf(
+        [*SHORT, "launcher=slurm", "optimizer.lr=1e-3,2e-3"],
+        sweep_dir,
+        multirun=True,
+        prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"],
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "submitted SLURM job" not in run.stdout
+    assert run.stdout.count("dtf: final train loss") == 2, run.stdout  # one line per run, from its rank 0
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no run dirs elsewhere
+    summaries = [json.loads((sweep_dir / point / "summary.json").read_text()) for point in ("0", "1")]
+    for point, lr, s in zip(("0", "1"), (1e-3, 2e-3), summaries, strict=True):
+        assert s["run_dir"] == str(sweep_dir / point)
+        assert f"optimizer.lr={lr:g}" in (sweep_dir / point / ".hydra" / "overrides.yaml").read_text()
+        assert s["world_size"] == 2 and s["lr_final"] == pytest.approx(lr * 2)  # linear LR scaling by 2 ranks
+    assert summaries[0]["slurm_job_id"] == summaries[1]["slurm_job_id"]  # both in the one allocation
+
+
+def test_a_rank_failing_inside_an_allocation_is_named_in_one_line(tmp_path: Path) -> None:
+    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", "launcher=slurm"]
+    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"])
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("dtf: error:")]
+    assert len(errors) == 1 and "rank 1 failed" in errors[0] and "injected failure on rank 1" in errors[0], errors
+
+
 # A model whose rank process takes seconds to exit after its result is written (as a process
 # with slow teardown does): the job is still RUNNING or COMPLETING while its result files exist.
 SLOW_EXIT_MODEL = """
