@@ -125,16 +125,15 @@ stepds() {
   done
 }
 
-# The PIDs given and all their descendants.
+# The PIDs given and all their descendants, one a line.
 tree_of() {
-  local all="$*" frontier="$*" next pid
-  while [ -n "$frontier" ]; do
-    next=""
-    for pid in $frontier; do next="$next $(pgrep -P "$pid" || true)"; done
-    frontier="$(echo $next)"
-    all="$all $frontier"
+  local frontier=("$@") next=() pid
+  while [ "${#frontier[@]}" -gt 0 ]; do
+    printf '%s\n' "${frontier[@]}"
+    next=()
+    for pid in "${frontier[@]}"; do mapfile -t -O "${#next[@]}" next < <(pgrep -P "$pid" || true); done
+    frontier=("${next[@]}")
   done
-  echo $all
 }
 
 no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
@@ -144,26 +143,35 @@ no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
 # running, and the saved controller state would bring the job back at the next start.
 cancel_jobs() {
   running slurmctld || return 0
-  local jobs
-  jobs="$(squeue -h -o %i 2>/dev/null || true)"
-  [ -n "$jobs" ] || return 0
-  log "cancelling job(s) $(echo $jobs)"
-  # First as SLURM ends a job (SIGTERM, so dtf's ranks stop cleanly), then SIGKILL to whatever is left.
-  scancel $jobs 2>/dev/null || true
+  local jobs=()
+  mapfile -t jobs < <(squeue -h -o %i 2>/dev/null || true)
+  [ "${#jobs[@]}" -gt 0 ] || return 0
+  log "cancelling job(s) ${jobs[*]}"
+  # As SLURM ends a job: SIGTERM (dtf's ranks stop cleanly), SIGKILL only after KillWait (30 s).
+  scancel "${jobs[@]}" 2>/dev/null || true
   wait_until 10 no_jobs && return
-  scancel --signal=KILL --full $jobs 2>/dev/null || true
-  wait_until 20 no_jobs || log "job(s) still listed after SIGKILL: $(squeue -h -o '%i %T' | tr '\n' ' ')"
+  # Sooner than that: SIGKILL to everything under the steps (scancel refuses a job already
+  # cancelled); their slurmstepd sees them gone and ends the job.
+  local steps=() pids=()
+  mapfile -t steps < <(stepds)
+  if [ "${#steps[@]}" -gt 0 ]; then
+    mapfile -t pids < <(tree_of "${steps[@]}" | grep -vxF -f <(printf '%s\n' "${steps[@]}"))
+    log "killing what still runs in the job steps: ${pids[*]}"
+    [ "${#pids[@]}" -eq 0 ] || $SUDO kill -KILL "${pids[@]}" 2>/dev/null || true
+  fi
+  wait_until 20 no_jobs || log "job(s) still listed: $(squeue -h -o '%i %T' | tr '\n' ' ')"
 }
 
 # Kills job processes that outlived the daemons (what cancel_jobs could not end, or a cluster that
 # died without stop), each step's whole process tree at once, and waits until they are gone.
 reap_steps() {
-  local pids
-  pids="$(tree_of $(stepds))"
-  [ -n "$pids" ] || return 0
-  log "killing job processes left behind: $pids"
-  $SUDO kill -KILL $pids 2>/dev/null || true
-  wait_until 10 none_alive $pids || log "still alive after SIGKILL: $pids"
+  local steps=() pids=()
+  mapfile -t steps < <(stepds)
+  [ "${#steps[@]}" -gt 0 ] || return 0
+  mapfile -t pids < <(tree_of "${steps[@]}")
+  log "killing job processes left behind: ${pids[*]}"
+  $SUDO kill -KILL "${pids[@]}" 2>/dev/null || true
+  wait_until 10 none_alive "${pids[@]}" || log "still alive after SIGKILL: ${pids[*]}"
 }
 
 stop_daemon() {
