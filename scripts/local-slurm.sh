@@ -2,14 +2,21 @@
 # A real one-node SLURM cluster on this machine, for trying launcher=slurm and for CI.
 #   scripts/local-slurm.sh start   installs slurm-wlm and munge with apt if missing, writes a
 #                                   config in $DTF_SLURM_DIR (default /tmp/dtf-slurm), starts munged,
-#                                   slurmctld and slurmd, and prints the line to eval:
+#                                   slurmctld and slurmd from a clean state (no jobs or node state of
+#                                   an earlier cluster), and prints the line to eval:
 #                                   export SLURM_CONF=...
-#   scripts/local-slurm.sh stop    stops what start started (by the PIDs it recorded)
+#   scripts/local-slurm.sh stop    cancels the cluster's jobs and waits until they are gone, stops what
+#                                   start started (by the PIDs it recorded), then kills any job process
+#                                   (slurmstepd and what runs under it, srun included) that outlived them
+# $DTF_SLURM_PORT (default 6817) is slurmctld's port, slurmd's is the next one: a second cluster in
+# another $DTF_SLURM_DIR with other ports runs beside the first (the tests use one to stop and start).
 # Needs root (or sudo) for apt and for the daemons. Nothing listens beyond 127.0.0.1's host name.
 set -euo pipefail
 
 DIR="${DTF_SLURM_DIR:-/tmp/dtf-slurm}"
+PORT="${DTF_SLURM_PORT:-6817}"
 CONF="$DIR/slurm.conf"
+export SLURM_CONF="$CONF" # for the squeue/scancel/sinfo calls below
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
@@ -45,8 +52,8 @@ SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmdPidFile=$DIR/run/slurmd.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd.log
-SlurmctldPort=6817
-SlurmdPort=6818
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
 SchedulerType=sched/backfill
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
@@ -63,8 +70,35 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
 CONF
 }
 
+# A process that still runs: kill -0 also succeeds on a zombie, and here (a container whose
+# init does not reap) the daemons' exited children stay zombies.
+alive() {
+  local state
+  state="$(ps -o stat= -p "$1" 2>/dev/null)" || return 1
+  [ -n "$state" ] && [ "${state:0:1}" != Z ]
+}
+
+running() { [ -f "$DIR/run/$1.pid" ] && alive "$(cat "$DIR/run/$1.pid")"; }
+
+# Waits up to $1 seconds for command $2... to succeed.
+wait_until() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep 0.2
+  done
+}
+
+none_alive() {
+  local pid
+  for pid in "$@"; do alive "$pid" && return 1; done
+  return 0
+}
+
 start_munge() {
-  if pgrep -x munged >/dev/null; then return; fi
+  local pid
+  for pid in $(pgrep -x munged || true); do alive "$pid" && return; done
   if [ ! -s /etc/munge/munge.key ]; then
     $SUDO mkdir -p /etc/munge
     if command -v mungekey >/dev/null; then $SUDO mungekey -c -f -k /etc/munge/munge.key; else $SUDO create-munge-key -f; fi
@@ -80,7 +114,74 @@ start_munge() {
   cp "$DIR/run/munged.pid" "$DIR/run/munged.started"
 }
 
-running() { [ -f "$DIR/run/$1.pid" ] && kill -0 "$(cat "$DIR/run/$1.pid")" 2>/dev/null; }
+# This cluster's slurmstepd processes (one per job step), alive or orphaned by a dead slurmd: slurmd
+# passes its environment on to them, and start gives slurmd DTF_SLURM_DIR as a mark.
+stepds() {
+  local pid
+  for pid in $(pgrep -x slurmstepd || true); do
+    if alive "$pid" && $SUDO tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "DTF_SLURM_DIR=$DIR"; then
+      echo "$pid"
+    fi
+  done
+}
+
+# The PIDs given and all their descendants, one a line.
+tree_of() {
+  local frontier=("$@") next=() pid
+  while [ "${#frontier[@]}" -gt 0 ]; do
+    printf '%s\n' "${frontier[@]}"
+    next=()
+    for pid in "${frontier[@]}"; do mapfile -t -O "${#next[@]}" next < <(pgrep -P "$pid" || true); done
+    frontier=("${next[@]}")
+  done
+}
+
+no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
+
+# Cancels every job of the cluster and waits until none is listed (COMPLETING included: its
+# slurmstepd is still cleaning up). A stop that only ended the daemons would leave job steps
+# running, and the saved controller state would bring the job back at the next start.
+cancel_jobs() {
+  running slurmctld || return 0
+  local jobs=()
+  mapfile -t jobs < <(squeue -h -o %i 2>/dev/null || true)
+  [ "${#jobs[@]}" -gt 0 ] || return 0
+  log "cancelling job(s) ${jobs[*]}"
+  # As SLURM ends a job: SIGTERM (dtf's ranks stop cleanly), SIGKILL only after KillWait (30 s).
+  scancel "${jobs[@]}" 2>/dev/null || true
+  wait_until 10 no_jobs && return
+  # Sooner than that: SIGKILL to everything under the steps (scancel refuses a job already
+  # cancelled); their slurmstepd sees them gone and ends the job.
+  local steps=() pids=()
+  mapfile -t steps < <(stepds)
+  if [ "${#steps[@]}" -gt 0 ]; then
+    mapfile -t pids < <(tree_of "${steps[@]}" | grep -vxF -f <(printf '%s\n' "${steps[@]}"))
+    log "killing what still runs in the job steps: ${pids[*]}"
+    [ "${#pids[@]}" -eq 0 ] || $SUDO kill -KILL "${pids[@]}" 2>/dev/null || true
+  fi
+  wait_until 20 no_jobs || log "job(s) still listed: $(squeue -h -o '%i %T' | tr '\n' ' ')"
+}
+
+# Kills job processes that outlived the daemons (what cancel_jobs could not end, or a cluster that
+# died without stop), each step's whole process tree at once, and waits until they are gone.
+reap_steps() {
+  local steps=() pids=()
+  mapfile -t steps < <(stepds)
+  [ "${#steps[@]}" -gt 0 ] || return 0
+  mapfile -t pids < <(tree_of "${steps[@]}")
+  log "killing job processes left behind: ${pids[*]}"
+  $SUDO kill -KILL "${pids[@]}" 2>/dev/null || true
+  wait_until 10 none_alive "${pids[@]}" || log "still alive after SIGKILL: ${pids[*]}"
+}
+
+stop_daemon() {
+  local pid
+  [ -f "$DIR/run/$1.pid" ] || return 0
+  pid="$(cat "$DIR/run/$1.pid")"
+  alive "$pid" || return 0
+  $SUDO kill "$pid" 2>/dev/null || true
+  wait_until 15 none_alive "$pid" || { $SUDO kill -KILL "$pid" 2>/dev/null || true; }
+}
 
 start() {
   if running slurmctld && running slurmd; then
@@ -89,13 +190,17 @@ start() {
     return
   fi
   install
+  mkdir -p "$DIR/run"
+  stop_cluster # whatever an earlier cluster in $DIR left: a daemon, a job step
+  # A clean state: no saved jobs (which would hold the node), no node state, no step sockets.
+  rm -rf "$DIR/state" "$DIR/spool"
   write_conf
   start_munge
-  running slurmctld || $SUDO slurmctld -f "$CONF"
-  running slurmd || $SUDO slurmd -f "$CONF" -N localhost
+  $SUDO slurmctld -f "$CONF"
+  $SUDO env DTF_SLURM_DIR="$DIR" slurmd -f "$CONF" -N localhost
   for _ in $(seq 1 60); do
-    if SLURM_CONF="$CONF" sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
-      log "cluster up: $(SLURM_CONF="$CONF" sinfo -h -o '%P %D %c %t')"
+    if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
+      log "cluster up: $(sinfo -h -o '%P %D %c %t')"
       echo "export SLURM_CONF=$CONF"
       return
     fi
@@ -106,12 +211,15 @@ start() {
   exit 1
 }
 
+stop_cluster() {
+  cancel_jobs
+  stop_daemon slurmd
+  stop_daemon slurmctld
+  reap_steps
+}
+
 stop() {
-  for name in slurmd slurmctld; do
-    if [ -f "$DIR/run/$name.pid" ]; then
-      $SUDO kill "$(cat "$DIR/run/$name.pid")" 2>/dev/null || true
-    fi
-  done
+  stop_cluster
   if [ -f "$DIR/run/munged.started" ]; then
     $SUDO kill "$(cat "$DIR/run/munged.started")" 2>/dev/null || true
     rm -f "$DIR/run/munged.started"

@@ -5,7 +5,9 @@ Three situations, one command (`python -m dtf launcher=slurm ...`):
   driver streams rank 0's output and ends with the job's status (or, with launcher.wait=false,
   prints the job id and returns);
 - inside an allocation (`salloc`, or the batch script of an `sbatch` the user wrote): the
-  ranks are started in place with `srun`, each composing the same config;
+  ranks are started in place as one `srun` step; the driver writes the config it resolved (and
+  the rank function) to <run_dir>/slurm/, and every task loads it from there (srun_task_main),
+  so a sweep's points each run once, in their own run dir;
 - as a task of `srun`: this process is a rank already and runs in place.
 In each task the rendezvous comes from the SLURM environment (submitit's
 TorchDistributedEnvironment: the allocation's first node, a port derived from the job id).
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +35,13 @@ from omegaconf import DictConfig
 
 from dtf.errors import RankFailedError, UserError, user_error_in
 from dtf.launch.base import Launcher, WorkerFn
+from dtf.launch.failures import EXIT_USER_ERROR
 from dtf.train.stop import EXIT_STOPPED
 
 JOB_FOLDER = "slurm"  # under the run dir: sbatch script, pickles, every task's stdout/stderr
+# Inside an allocation, in JOB_FOLDER: what every task of the srun step runs, and each task's outcome.
+STEP_TASK_FILE = "step_task.pkl"
+STEP_RESULT_FILE = "step_rank{rank}_result.pkl"
 
 
 def inside_srun_task() -> bool:
@@ -79,16 +87,57 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> d
     return result
 
 
+def srun_task_main() -> None:
+    """What every task of an in-allocation srun step runs (`python -c ... <task file>`): the rank
+    function and the config the driver resolved, loaded from the task file; the outcome goes to a
+    result file next to it, where the driver reads it."""
+    from submitit.core.utils import cloudpickle_dump, pickle_load, temporary_save_path
+
+    task_file = Path(sys.argv[1])
+    fn, cfg, run_dir = pickle_load(task_file)
+    rank = int(os.environ["SLURM_PROCID"])
+    if "MASTER_PORT" not in os.environ:
+        # submitit derives the port from the job id alone: steps of one allocation (a sweep's
+        # points, or runs side by side) would all use the same one.
+        step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+        os.environ["MASTER_PORT"] = str(random.Random(step).randint(20000, 60000))
+    result_file = task_file.parent / STEP_RESULT_FILE.format(rank=rank)
+
+    def report(outcome: tuple[str, Any]) -> None:
+        with temporary_save_path(result_file) as tmp:  # whole or not at all: srun may kill this task
+            cloudpickle_dump(outcome, tmp)
+
+    try:
+        result = run_as_task(fn, cfg, run_dir, requeue=False)
+    except Exception:
+        report(("error", traceback.format_exc()))
+        raise
+    report(("success", result))
+    if isinstance(result, dict) and "user_error" in result:
+        raise SystemExit(EXIT_USER_ERROR)  # srun ends the other tasks (--kill-on-bad-exit)
+
+
 class SlurmLauncher(Launcher):
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
         if inside_srun_task():
             return run_as_task(fn, cfg, run_dir, requeue=False)  # the user's srun owns the job
         if inside_allocation():
-            return self._srun_in_allocation(run_dir)
+            return self._srun_in_allocation(fn, cfg, run_dir)
         return self._submit(fn, cfg, run_dir)
 
-    def _srun_in_allocation(self, run_dir: str) -> Any:
+    def _srun_in_allocation(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+        """The ranks as one srun step of the allocation this driver runs in. They get the config
+        as it was resolved here (pickled in the run dir), never this process's command line."""
+        from submitit.core.utils import cloudpickle_dump
+
         c = self.cfg
+        folder = Path(run_dir) / JOB_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        tasks = c.nodes * c.tasks_per_node
+        for rank in range(tasks):  # an earlier run in this run dir (a resumed one) left its own
+            (folder / STEP_RESULT_FILE.format(rank=rank)).unlink(missing_ok=True)
+        task_file = folder / STEP_TASK_FILE
+        cloudpickle_dump((fn, cfg, run_dir), task_file)
         cmd = [
             "srun",
             f"--nodes={c.nodes}",
@@ -96,17 +145,12 @@ class SlurmLauncher(Launcher):
             f"--cpus-per-task={c.cpus_per_task}",
             "--kill-on-bad-exit=1",  # a failed rank ends the step: the others never hang
             sys.executable,
-            "-m",
-            "dtf",
-            *[arg for arg in sys.argv[1:] if not arg.startswith("hydra.run.dir=")],
-            f"hydra.run.dir={run_dir}",  # every task composes the config again: they must agree on this
+            "-c",
+            "from dtf.launch.slurm import srun_task_main; srun_task_main()",
+            str(task_file),
         ]
         code = subprocess.call(cmd)
-        if code == EXIT_STOPPED:
-            return {"stopped_by": "a stop signal", "step": None, "checkpoint": None}
-        if code:
-            raise RankFailedError(f"srun in allocation {os.environ['SLURM_JOB_ID']} failed with exit code {code}")
-        return None
+        return step_result(folder, tasks, code)
 
     def _executor(self, run_dir: str) -> Any:
         import submitit
@@ -218,21 +262,33 @@ def job_state(job_id: str) -> tuple[str, str] | None:
     Not sacct: clusters without accounting storage have no sacct (submitit's watcher needs it)."""
     try:
         out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=60
+            # -t all: with -j alone, squeue leaves out a job that has ended
+            ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T %r"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return ("UNKNOWN", "")
     return (out[0], out[1] if len(out) > 1 else "") if out else None
 
 
+# How long the driver waits, once every rank's result is in, for the job to leave the queue (its
+# steps end, then it is COMPLETING until SLURM has cleaned up after them: KillWait, epilog).
+LEAVE_QUEUE_S = 120.0
+
+
 def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Any:
-    """Streams rank 0's output while the job runs (through requeues), then returns its result."""
+    """Streams rank 0's output while the job runs (through requeues), then returns its result once
+    the job has left the queue: not while it still runs or is COMPLETING, so that whoever comes next
+    (another job, `scripts/local-slurm.sh stop`) finds the node free."""
     from submitit.core.utils import JobPaths, pickle_load
 
     paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
     shown = 0
-    gone_since: float | None = None
-    while not all(p.result_pickle.exists() for p in paths):
+    ended_at: float | None = None
+    results_at: float | None = None
+    while True:
         if stream:
             shown = _print_new(paths[0].stdout, shown)
         state = job_state(job.job_id)
@@ -243,11 +299,26 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
                 f"cannot give {tasks // tasks_per_node} node(s) x {tasks_per_node} task(s) with these settings; "
                 "lower launcher.nodes, launcher.tasks_per_node or launcher.cpus_per_task, or pick launcher.partition"
             )
+        have_results = all(p.result_pickle.exists() for p in paths)
         if state is None or state[0] in _FINAL_STATES:
-            gone_since = gone_since or time.monotonic()
-            if time.monotonic() - gone_since > 10:  # result files of a finished job appear within seconds
+            if have_results:
                 break
-        time.sleep(1.0)
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > 10:  # result files of a finished job appear within seconds
+                break
+        else:
+            ended_at = None  # a requeued job comes back
+            if have_results:
+                results_at = results_at or time.monotonic()
+                if time.monotonic() - results_at > LEAVE_QUEUE_S:
+                    print(
+                        f"dtf: warning: every rank of SLURM job {job.job_id} has finished, but the job is still "
+                        f"{state[0]} after {LEAVE_QUEUE_S:.0f}s; not waiting for it any longer",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
+        time.sleep(0.2 if have_results else 1.0)
     if stream:
         _print_new(paths[0].stdout, shown)
     logs = Path(run_dir) / JOB_FOLDER
@@ -266,6 +337,27 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
             raise UserError(value["user_error"])
         results.append(value)
     return results[0]
+
+
+def step_result(folder: Path, tasks: int, code: int) -> Any:
+    """Rank 0's result of an in-allocation srun step (its tasks' result files, srun's exit code)."""
+    from submitit.core.utils import pickle_load
+
+    job = os.environ["SLURM_JOB_ID"]
+    files = [folder / STEP_RESULT_FILE.format(rank=rank) for rank in range(tasks)]
+    outcomes = {rank: pickle_load(f) for rank, f in enumerate(files) if f.exists()}
+    for kind, value in outcomes.values():
+        if kind == "success" and isinstance(value, dict) and "user_error" in value:
+            raise UserError(value["user_error"])
+    errors = [rank for rank, (kind, _) in outcomes.items() if kind == "error"]
+    if errors:  # the first to fail is the cause; the others' errors (a lost peer) its consequence
+        rank = min(errors, key=lambda r: files[r].stat().st_mtime_ns)
+        raise RankFailedError(
+            f"rank {rank} failed in SLURM allocation {job}: {_last_line(outcomes[rank][1])} (srun exit code {code})"
+        )
+    if code or 0 not in outcomes:
+        raise RankFailedError(f"srun in allocation {job} failed with exit code {code}")
+    return outcomes[0][1]
 
 
 def _print_new(path: Path, shown: int) -> int:

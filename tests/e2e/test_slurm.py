@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
-from tests.helpers.clusters import script_cluster
+from tests.helpers.clusters import run_script, script_cluster
 
 SHORT = SHORT_RUN
 
@@ -145,3 +149,197 @@ def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path,
     s = run.summary
     assert s["slurm_job_id"] and s["world_size"] == 2
     assert s["params_sha256"] == local.summary["params_sha256"]
+
+
+def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tmp_path: Path) -> None:
+    # the driver resolves each point's config; srun's tasks load it, they never re-parse the sweep's argv
+    sweep_dir = tmp_path / "sweep"
+    run = run_dtf(
+        [*SHORT, "launcher=slurm", "optimizer.lr=1e-3,2e-3"],
+        sweep_dir,
+        multirun=True,
+        prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"],
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "submitted SLURM job" not in run.stdout
+    assert run.stdout.count("dtf: final train loss") == 2, run.stdout  # one line per run, from its rank 0
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no run dirs elsewhere
+    summaries = [json.loads((sweep_dir / point / "summary.json").read_text()) for point in ("0", "1")]
+    for point, lr, s in zip(("0", "1"), (1e-3, 2e-3), summaries, strict=True):
+        assert s["run_dir"] == str(sweep_dir / point)
+        assert f"optimizer.lr={lr:g}" in (sweep_dir / point / ".hydra" / "overrides.yaml").read_text()
+        assert s["world_size"] == 2 and s["lr_final"] == pytest.approx(lr * 2)  # linear LR scaling by 2 ranks
+    assert summaries[0]["slurm_job_id"] == summaries[1]["slurm_job_id"]  # both in the one allocation
+
+
+def test_a_rank_failing_inside_an_allocation_is_named_in_one_line(tmp_path: Path) -> None:
+    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", "launcher=slurm"]
+    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"])
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("dtf: error:")]
+    assert len(errors) == 1 and "rank 1 failed" in errors[0] and "injected failure on rank 1" in errors[0], errors
+
+
+# A model whose rank process takes seconds to exit after its result is written (as a process
+# with slow teardown does): the job is still RUNNING or COMPLETING while its result files exist.
+SLOW_EXIT_MODEL = """
+import atexit
+import time
+
+from user_models import FailingModel
+
+
+class SlowExitModel(FailingModel):
+    def __init__(self, exit_delay_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        atexit.register(time.sleep, exit_delay_s)
+"""
+
+
+def test_waiting_for_a_job_returns_once_it_has_left_the_queue(tmp_path: Path) -> None:
+    (tmp_path / "slow_exit.py").write_text(SLOW_EXIT_MODEL)
+    args = ["model._target_=slow_exit.SlowExitModel", "+model.fail_rank=-1", "+model.exit_delay_s=3"]
+    run = _ok(
+        run_dtf(
+            [*SHORT, *args, "launcher=slurm", "launcher.tasks_per_node=1"],
+            tmp_path / "run",
+            extra_pythonpath=[tmp_path],
+        )
+    )
+    job = _job_id(run)
+    # right after dtf returned: the job has ended (not RUNNING, not COMPLETING with steps still cleaning up)
+    state = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True, text=True
+    ).stdout.strip()
+    assert state == "COMPLETED", f"job {job} is {state} after dtf returned"
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (slurmctld's and slurmd's)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _proc_stat(pid: int) -> tuple[str, int, str] | None:
+    """(state, ppid, start time) of a process, None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1]), fields[19]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _job_processes(job: str, conf: str) -> dict[int, str]:
+    """pid -> start time of the processes of one job of the cluster with this SLURM_CONF: the batch
+    script, sruns and tasks (known by their environment) and the slurmstepd above them."""
+    found: dict[int, str] = {}
+    marks = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_CONF={conf}".encode()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        stat = _proc_stat(int(proc.name))
+        if stat is None or not marks <= environ:
+            continue
+        found[int(proc.name)] = stat[2]
+        parent = _proc_stat(stat[1])
+        if parent and _comm(stat[1]) == "slurmstepd":
+            found[stat[1]] = parent[2]
+    return found
+
+
+def _still_running(processes: dict[int, str]) -> list[str]:
+    """Those that still run (not gone, not a zombie, not a new process with a reused pid), described."""
+    alive = []
+    for pid, started in processes.items():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[0] != "Z" and stat[2] == started:
+            alive.append(f"{pid} {_comm(pid)}")
+    return alive
+
+
+def test_stop_cancels_and_reaps_running_jobs_and_start_begins_clean() -> None:
+    # A cluster of its own (own state dir, own ports): stopping it disturbs no one else's jobs.
+    # A short path: slurmstepd's sockets live in the spool dir, and socket paths are short.
+    cluster_dir = tempfile.mkdtemp(prefix="dtf-slurm-")
+    try:
+        _stop_start_with_a_running_job({"DTF_SLURM_DIR": cluster_dir, "DTF_SLURM_PORT": str(_free_port_pair())})
+    finally:
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def _stop_start_with_a_running_job(env: dict[str, str]) -> None:
+    old_job: dict[int, str] = {}
+    with script_cluster("local-slurm.sh", "SLURM_CONF", env) as conf:
+        slurm_env = {**os.environ, "SLURM_CONF": conf}
+
+        def slurm(*cmd: str) -> str:
+            return subprocess.run(cmd, capture_output=True, text=True, env=slurm_env, timeout=60).stdout.strip()
+
+        try:
+            # a job with a running step: slurmstepd for the batch script and for the step, srun, two tasks
+            job = slurm("sbatch", "--parsable", "-n", "2", "--output=/dev/null", "--wrap", "srun sleep 600")
+            assert job.isdigit(), job
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                old_job = _job_processes(job, conf)
+                names = [_comm(pid) for pid in old_job]
+                if names.count("slurmstepd") == 2 and names.count("sleep") == 2 and "srun" in names:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"job {job} did not start its step: {slurm('squeue', '-j', job)}")
+
+            stopped = run_script("local-slurm.sh", "stop", env, timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+            problems = []
+            survivors = _still_running(old_job)
+            if survivors:
+                problems.append(f"after stop, processes of job {job} still run: {survivors}")
+            up = False
+            try:
+                restarted = run_script("local-slurm.sh", "start", env, timeout=60)
+                up = restarted.returncode == 0
+                if not up:
+                    problems.append(f"start failed: {restarted.stderr[-1000:]}")
+            except subprocess.TimeoutExpired:
+                problems.append("start did not bring the cluster up within 60 s")
+            if up:
+                queue = slurm("squeue", "-h", "-t", "all", "-o", "%i %T")
+                if queue:
+                    problems.append(f"after start, the queue holds jobs of the earlier cluster: {queue!r}")
+                # a new job gets the node: it starts and ends, instead of pending behind the old one
+                new_job = slurm("sbatch", "--parsable", "-n", "2", "--output=/dev/null", "--wrap", "srun true")
+                deadline = time.monotonic() + 30
+                state = ""
+                while time.monotonic() < deadline:
+                    state = slurm("squeue", "-h", "-t", "all", "-j", new_job, "-o", "%T %r")
+                    if state.split()[:1] in (["COMPLETED"], ["FAILED"], ["CANCELLED"]):
+                        break
+                    time.sleep(0.2)
+                if not state.startswith("COMPLETED"):
+                    problems.append(f"a new job did not run: {state!r}; queue: {slurm('squeue', '-t', 'all')!r}")
+            assert not problems, "\n".join(problems)
+        finally:
+            for pid in _still_running(old_job):  # what this test started, should a failed stop leave it
+                os.kill(int(pid.split()[0]), signal.SIGKILL)

@@ -23,11 +23,24 @@ def unavailable(why: str) -> None:
     pytest.fail(f"{why} (set DTF_SKIP_CLUSTER_TESTS=1 to skip the cluster tests on a machine that cannot run them)")
 
 
+def run_script(
+    script: str, command: str, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """`scripts/<script> <command>`, with env added to this process's environment."""
+    return subprocess.run(
+        ["bash", str(SCRIPTS / script), command],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
 @contextmanager
-def script_cluster(script: str, export: str) -> Iterator[str]:
-    """Runs `<script> start`, yields the value it exports (e.g. SLURM_CONF), and stops the
-    cluster at the end only if this call started it."""
-    started = subprocess.run(["bash", str(SCRIPTS / script), "start"], capture_output=True, text=True, timeout=900)
+def script_cluster(script: str, export: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Runs `<script> start` (with env added, e.g. another state dir), yields the value it exports
+    (e.g. SLURM_CONF), and stops the cluster at the end only if this call started it."""
+    started = run_script(script, "start", env)
     lines = [line for line in started.stdout.splitlines() if line.startswith(f"export {export}=")]
     if started.returncode != 0 or not lines:
         unavailable(f"scripts/{script} start failed: {started.stderr.strip()[-500:]}")
@@ -36,4 +49,4 @@ def script_cluster(script: str, export: str) -> Iterator[str]:
         yield value
     finally:
         if "already running" not in started.stderr:
-            subprocess.run(["bash", str(SCRIPTS / script), "stop"], capture_output=True, timeout=120)
+            run_script(script, "stop", env, timeout=120)
