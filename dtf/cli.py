@@ -7,6 +7,7 @@ The config is resolved and frozen here, once, on the driver; launchers ship that
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import datetime
 from typing import Any
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtf import launch
 from dtf.config import store
 from dtf.config.validate import validate
-from dtf.errors import RankFailedError, UserError
+from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch.rank import rank_main
 from dtf.train.stop import EXIT_STOPPED
 
@@ -64,11 +65,29 @@ def report_stop(result: dict[str, Any], run_dir: str) -> None:
     raise SystemExit(EXIT_STOPPED)
 
 
+def report_interrupt(e: Interrupted, run_dir: str) -> None:
+    """A signal that is not a stop request ended the run: say so, never as a clean stop (exit
+    75 invites a requeue), and exit as a process killed by that signal would (128 + n)."""
+    if e.checkpoint:
+        where = (
+            f"the newest checkpoint is {e.checkpoint} (step {e.step}): the same command with "
+            f"hydra.run.dir={run_dir} continues from it"
+        )
+    else:
+        where = "no checkpoint was written"
+    print(f"dtf: interrupted by {e.signal_name}; the ranks were stopped; {where}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.Signals[e.signal_name].value)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         result = run(cfg, run_dir)
+    except KeyboardInterrupt:  # Ctrl-C where no launcher turned it into Interrupted (waiting on SLURM, Spark)
+        report_interrupt(Interrupted("SIGINT"), run_dir)
+    except Interrupted as e:
+        report_interrupt(e, run_dir)
     except RankFailedError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_FAILED) from None

@@ -17,3 +17,14 @@ def user_error_in(e: BaseException) -> UserError | None:
             return seen
         seen = seen.__cause__
     return None
+
+
+class Interrupted(Exception):
+    """A signal that is not a stop request (Ctrl-C, SIGHUP, ...) ended the run: the ranks were
+    stopped where they were. checkpoint: the newest complete one on disk, if any."""
+
+    def __init__(self, signal_name: str, checkpoint: str | None = None, step: int | None = None) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.checkpoint = checkpoint
+        self.step = step

@@ -63,7 +63,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
         os.environ.setdefault(str(key), str(value))
     limit_threads()
     # From the start: a stop signal that arrives while the run is still setting up is not lost.
-    stop_request = StopRequest(list(cfg.checkpoint.stop_signals))
+    stop_request = StopRequest(list(cfg.checkpoint.stop_signals), sigint_kills=True)
     t = cfg.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.

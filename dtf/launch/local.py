@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf.dist import env as dist_env
-from dtf.errors import RankFailedError
+from dtf.errors import Interrupted, RankFailedError
 from dtf.launch.base import Launcher, WorkerFn
 from dtf.launch.failures import describe_failure
 
@@ -70,17 +70,29 @@ class LocalLauncher(Launcher):
             logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         forwarding = StopForwarding(stop_signals)
+        checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
             results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
-            if forwarding.received:  # ranks still starting up die of the signal: nothing was trained
-                return {"stopped_by": forwarding.received, "step": None, "checkpoint": None}
+            if forwarding.received and died_of(e, forwarding.received):
+                # ranks still starting up die of the signal (their handler is not installed yet)
+                return newest_checkpoint_report(forwarding.received, checkpoints)
             raise RankFailedError(describe_failure(e, run_dir)) from None
-        except SignalException:  # a second stop signal: the agent killed the ranks
-            return newest_checkpoint_report(f"{forwarding.received} (twice)", Path(run_dir) / cfg.checkpoint.dir)
+        except SignalException as e:
+            if forwarding.twice:  # a second stop signal: the agent killed the ranks
+                return newest_checkpoint_report(f"{forwarding.received} (twice)", checkpoints)
+            # Ctrl-C, SIGHUP, ... (or SIGTERM when it is not a stop signal): the agent stopped the ranks
+            newest = newest_checkpoint_report(signal.Signals(e.sigval).name, checkpoints)
+            raise Interrupted(newest["stopped_by"], newest["checkpoint"], newest["step"]) from None
         finally:
             forwarding.restore()
         return results.get(0)
+
+
+def died_of(e: ChildFailedError, signal_name: str) -> bool:
+    """Whether every failed rank was killed by that signal (not one that raised or exited)."""
+    signum = signal.Signals[signal_name.split()[0]].value
+    return all(failure.exitcode == -signum for failure in e.failures.values())
 
 
 def newest_checkpoint_report(signal_name: str, checkpoint_root: Path) -> dict[str, Any]:
@@ -102,10 +114,12 @@ class StopForwarding:
 
     def __init__(self, names: list[str]) -> None:
         self.received: str | None = None
+        self.twice = False
         self._previous = {signal.Signals[n]: signal.signal(signal.Signals[n], self._forward) for n in names}
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         if self.received:  # the agent kills the ranks at once; a save they were making stays uncommitted
+            self.twice = True
             raise SignalException(f"second stop signal {signum}", sigval=signal.SIGKILL)
         self.received = signal.Signals(signum).name
         for child in multiprocessing.active_children():

@@ -18,9 +18,10 @@ STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
 class StopRequest:
-    """Installs handlers for the named signals (main thread only) and remembers the first one."""
+    """Installs handlers for the named signals (main thread only) and remembers the first one.
+    sigint_kills: SIGINT, unless named, gets its default action (the process dies of it)."""
 
-    def __init__(self, names: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, names: list[str] | tuple[str, ...], sigint_kills: bool = False) -> None:
         self.signal_name: str | None = None
         self._previous: dict[signal.Signals, object] = {}
         if threading.current_thread() is not threading.main_thread():
@@ -28,6 +29,10 @@ class StopRequest:
         for name in names:
             sig = signal.Signals[name]
             self._previous[sig] = signal.signal(sig, self._handle)
+        if sigint_kills and "SIGINT" not in names:
+            # In a rank, Ctrl-C that is not a stop request kills at once, as SIGHUP or SIGQUIT do, instead
+            # of unwinding a KeyboardInterrupt (a traceback per rank, and none at all inside a collective).
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is None:

@@ -15,9 +15,11 @@ from torch.utils.data import TensorDataset
 class FailingModel(nn.Module):
     """Fails on one rank at its n-th forward (training and evaluation calls both count):
     how = "raise", "kill" (dies of SIGKILL), "SIG<NAME>" (sends itself that signal) or
-    "agent:SIG<NAME>" (sends it to its parent, the launcher's agent). With first_attempt_only,
-    only the first attempt fails (a restarted run goes through). Every forward sleeps delay_s
-    (after a signal at least 50 ms), so that outside events can land in the middle of a run."""
+    "agent:SIG<NAME>" (sends it to its parent, the launcher's agent). With raise_after_signal,
+    a rank that sent a signal raises at its next forward (a crash after a stop request). With
+    first_attempt_only, only the first attempt fails (a restarted run goes through). Every
+    forward sleeps delay_s (after a signal at least 50 ms), so that outside events can land in
+    the middle of a run."""
 
     def __init__(
         self,
@@ -26,6 +28,7 @@ class FailingModel(nn.Module):
         how: str = "raise",
         first_attempt_only: bool = False,
         delay_s: float = 0.0,
+        raise_after_signal: bool = False,
         **unused: object,
     ) -> None:
         super().__init__()
@@ -33,13 +36,17 @@ class FailingModel(nn.Module):
         self.fail_rank, self.fail_at_call, self.how = fail_rank, fail_at_call, how
         self.first_attempt_only = first_attempt_only
         self.delay_s = delay_s
+        self.raise_after_signal = raise_after_signal
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         armed = not self.first_attempt_only or attempt == 0
-        if armed and int(os.environ.get("RANK", "0")) == self.fail_rank and self.calls == self.fail_at_call:
+        mine = armed and int(os.environ.get("RANK", "0")) == self.fail_rank
+        if mine and self.raise_after_signal and self.calls == self.fail_at_call + 1:
+            raise RuntimeError(f"injected failure on rank {self.fail_rank} after a stop signal")
+        if mine and self.calls == self.fail_at_call:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self.how.startswith(("SIG", "agent:SIG")):

@@ -1,0 +1,88 @@
+"""Signals that are not stop requests end a run as interrupted, never as a clean stop (exit 75
+invites a requeue); a rank that crashes is reported as a crash, whatever came before it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_DEFAULTS, dtf_env, run_dtf
+
+# A long run whose every forward sleeps: a signal always lands in the middle of training.
+SLOW = [
+    "model._target_=user_models.FailingModel",
+    "+model.fail_rank=-1",
+    "+model.delay_s=0.02",
+    "trainer.max_steps=5000",
+    "trainer.log_every_n_steps=10",
+    "checkpoint.every_n_steps=20",
+]
+
+
+def _interrupt(tmp_path: Path, sig: signal.Signals, *, group: bool, args: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Starts dtf in a session of its own, sends sig once it trains (to its process group, as a
+    terminal's Ctrl-C does, or to the driver only), and returns (exit status, stderr)."""
+    log = tmp_path / "log"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    with open(log, "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dtf_env(), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
+    if group:
+        import os
+
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            import os
+
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, (tmp_path / "err").read_text()
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "args"),
+    [
+        (signal.SIGINT, True, ()),  # Ctrl-C in a terminal: the whole foreground process group
+        (signal.SIGHUP, False, ()),
+        (signal.SIGQUIT, False, ()),
+        (signal.SIGTERM, False, ("checkpoint.stop_signals=[]",)),  # not a stop signal here
+    ],
+)
+def test_a_signal_that_is_not_a_stop_request_ends_the_run_as_interrupted(
+    tmp_path: Path, sig: signal.Signals, group: bool, args: tuple[str, ...]
+) -> None:
+    code, err = _interrupt(tmp_path, sig, group=group, args=args)
+    assert code == 128 + sig.value, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"dtf: interrupted by {sig.name}"), err[-2000:]
+    assert "stopped by" not in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path: Path) -> None:
+    # rank 1 sends SIGTERM (a stop request) to the launcher, then raises at its next forward
+    run = run_dtf(
+        [
+            "model._target_=user_models.FailingModel",
+            "+model.fail_at_call=30",
+            "+model.how=agent:SIGTERM",
+            "+model.raise_after_signal=true",
+            "trainer.max_steps=200",
+        ],
+        tmp_path / "run",
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1 after a stop"), last
