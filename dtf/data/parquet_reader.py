@@ -99,6 +99,7 @@ def read_segments(
     source: ParquetSource, segments: Sequence[Segment], columns: Sequence[str], opts: ReaderOptions
 ) -> Iterator[Columns]:
     """The rows of each segment, in order, as one numpy array per column (dim 0: rows)."""
+    segments = [s for s in segments if len(s)]  # Petastorm publishes nothing for a row group without rows
     if not segments:
         return
     quiet_petastorm()
