@@ -69,8 +69,12 @@ class BatchLayout:
         for name, values in zip(self.feature_columns, features, strict=True):
             if values.dtype.kind not in "iufb":
                 raise UserError(f"data.feature_columns: column {name!r} holds {values.dtype} values; use numeric ones")
-        # Several columns: one flat feature vector per row (a transform can reshape it).
-        x = features[0] if len(features) == 1 else np.concatenate([f.reshape(len(f), -1) for f in features], axis=1)
+        # Several columns: one flat feature vector per row (a transform can reshape it). One scalar
+        # column: a vector of one value per row, as a Linear layer with in_features=1 takes it.
+        if len(features) == 1:
+            x = features[0] if features[0].ndim > 1 else features[0].reshape(-1, 1)
+        else:
+            x = np.concatenate([f.reshape(len(f), -1) for f in features], axis=1)
         y = self._shaped(cols[self.label_column], self.label_column)
         return _writable(x.astype(self.float_dtype, copy=False)), _label_array(y, self.float_dtype)
 

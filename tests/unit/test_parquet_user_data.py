@@ -300,3 +300,9 @@ def test_a_decoding_error_in_a_reader_worker_names_the_field_the_file_and_the_ca
     assert message.startswith(f"data.path={hello.as_uri()}: decoding field 'image1' of ")
     assert any(f" of {f} failed (NameError: name 'cv2' is not defined)" in message for f in files)
     assert message.endswith("pip install opencv-python-headless")
+
+
+def test_one_scalar_feature_column_is_one_value_per_row(pandas_data: Path) -> None:
+    x, _ = all_batches(in_order(pandas_data, feature_columns=["count"], label_column="label"))
+    assert x.shape == (96, 1)
+    torch.nn.Linear(1, 2)(x)  # was: mat1 and mat2 shapes cannot be multiplied (1x32 and 1x2)
