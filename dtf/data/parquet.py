@@ -36,6 +36,13 @@ Batch = Any
 Transform = Callable[[Batch], Batch]
 
 
+_NUMPY_FLOAT: dict[torch.dtype, np.dtype] = {
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """Which columns make the features and the label, the per-row shapes to give them, and the
@@ -61,8 +68,7 @@ class BatchLayout:
     @property
     def float_dtype(self) -> np.dtype:
         """The numpy dtype arrays are cast to once per row group (to bfloat16, which numpy lacks, per batch)."""
-        dtype = torch.float32 if self.feature_dtype == torch.bfloat16 else self.feature_dtype
-        return torch.empty(0, dtype=dtype).numpy().dtype
+        return _NUMPY_FLOAT.get(self.feature_dtype, np.dtype(np.float32))
 
     def arrays(self, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
         features = [self._shaped(cols[name], name) for name in self.feature_columns]

@@ -80,6 +80,10 @@ class _TagsResults:
     publish_func: Callable[[Any], None]
     _split_pieces: Sequence[Any]
 
+    def __init__(self, worker_id: int, publish_func: Callable[[Any], None], args: Any) -> None:
+        quiet_petastorm()  # also in the worker processes of reader_pool_type=process
+        super().__init__(worker_id, publish_func, args)  # type: ignore[call-arg]
+
     def process(self, piece_index: int, worker_predicate: Any, shuffle_row_drop_partition: Any) -> None:
         publish = self.publish_func
         self.publish_func = lambda result: publish((piece_index, result))
@@ -274,7 +278,11 @@ def _rows_to_columns(rows_read: list[dict[str, Any]], rows: np.ndarray, columns:
     picked = [rows_read[i] for i in rows.tolist()]
     out = {}
     for name in columns:
-        values = np.asarray([row[name] for row in picked])
+        items = [row[name] for row in picked]
+        try:  # decoded arrays (images, NdarrayCodec): stack copies them in one go, asarray walks them
+            values = np.stack(items) if isinstance(items[0], np.ndarray) else np.asarray(items)
+        except ValueError:  # arrays of different shapes
+            values = np.asarray(items, dtype=object)
         if values.dtype == object:
             raise UserError(f"column {name!r} decodes to values of different shapes or types: dtf cannot batch it")
         out[name] = values
