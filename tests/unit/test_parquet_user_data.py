@@ -70,6 +70,10 @@ def pandas_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return user_datasets.pandas_dataset(tmp_path_factory.getbasetemp() / "user_datasets")
 
 
+# Tests on the Spark-written data sets: the first of them in a session waits ~20 s for Spark to write them.
+SPARK = pytest.mark.slow
+
+
 @pytest.fixture(scope="session")
 def spark_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return user_datasets.spark_datasets(tmp_path_factory.getbasetemp() / "user_datasets")
@@ -186,6 +190,7 @@ def hive_rows(root: Path, **where: Any) -> pd.DataFrame:
     return frame
 
 
+@SPARK
 def test_spark_ml_vector_columns_are_float_arrays_dense_and_sparse(spark_data: tuple[Path, Path]) -> None:
     _, hive = spark_data
     train = hive / "split=train" / "bucket=1"  # a path with '=' in it, as Spark names partitions
@@ -206,6 +211,7 @@ def test_spark_ml_vector_columns_are_float_arrays_dense_and_sparse(spark_data: t
         torch.testing.assert_close(ratio, ratio[:1].expand_as(ratio))
 
 
+@SPARK
 def test_one_hive_root_serves_train_and_test_through_partition_filters(spark_data: tuple[Path, Path]) -> None:
     _, hive = spark_data
     cfg = config(
@@ -239,6 +245,7 @@ def test_one_hive_root_serves_train_and_test_through_partition_filters(spark_dat
     assert sorted(buckets.tolist()) == sorted(rows["bucket"].astype(int).tolist())
 
 
+@SPARK
 def test_filters_on_row_values_are_refused(spark_data: tuple[Path, Path]) -> None:
     _, hive = spark_data
     cfg = config(hive, feature_columns=["features"], label_column="id", filters=[["label", "=", 1]])
@@ -248,6 +255,7 @@ def test_filters_on_row_values_are_refused(spark_data: tuple[Path, Path]) -> Non
     assert one_line_error(cfg).startswith("data.filters=[['split', '=', 'nope']] leave no rows in data.path=")
 
 
+@SPARK
 def test_petastorm_hello_world_images_arrays_and_scalars_are_decoded(spark_data: tuple[Path, Path]) -> None:
     hello, _ = spark_data
     cfg = in_order(hello, feature_columns=["image1"], label_column="id", batch_size=8)
@@ -266,6 +274,7 @@ def test_petastorm_hello_world_images_arrays_and_scalars_are_decoded(spark_data:
     assert labels.tolist() == [i % 4 for i in ids.tolist()]
 
 
+@SPARK
 def test_without_opencv_an_image_field_is_refused_before_reading(
     spark_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -280,6 +289,7 @@ def test_without_opencv_an_image_field_is_refused_before_reading(
     parquet.build(in_order(hello, feature_columns=["array_4d"], label_column="id"), env(), seed=0)  # no image
 
 
+@SPARK
 @pytest.mark.parametrize("pool", ["thread", "process"])
 def test_a_decoding_error_in_a_reader_worker_names_the_field_the_file_and_the_cause(
     spark_data: tuple[Path, Path], pool: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
