@@ -194,13 +194,8 @@ def _kind(kind: Any) -> str:
     return str(kind)
 
 
-def _readable(kind: str) -> bool:
-    """Kinds Petastorm's batch reader reads and dtf turns into arrays (strings fail later, with a reason)."""
-    return kind in ("integer", "float", "bool", "string", "vector") or kind in (
-        "list<integer>",
-        "list<float>",
-        "list<bool>",
-    )
+# Kinds Petastorm's batch reader reads and dtf turns into arrays (strings fail when read, with a reason).
+_READABLE = {"integer", "float", "bool", "string", "vector", "list<integer>", "list<float>", "list<bool>"}
 
 
 def _numpy_type(kind: Any) -> Any:
@@ -369,7 +364,7 @@ def inspect(
         for name, kind in columns.types.items():
             if name in partitions:
                 continue
-            if not _readable(_kind(kind)):
+            if _kind(kind) not in _READABLE:
                 problems.setdefault(
                     name, f"has type {kind}: dtf reads numbers, lists of numbers and Spark ML vectors only"
                 )
