@@ -1,11 +1,12 @@
-"""dtf's Petastorm pipeline against Petastorm's own reader and against the in-memory DataLoader, in one run.
+"""dtf's Petastorm pipeline against Petastorm's own readers and the in-memory DataLoader, in one run.
 
     .venv/bin/python benchmarks/data.py [--data fake_images] [--rows 16384] [--rows-per-group 1024]
                                         [--batch-size 64] [--workers 2] [--repeats 5]
+    .venv/bin/python benchmarks/data.py --images [--rows 4096] [--image-size 64] [--rows-per-group 256] ...
 
-The data set (a built-in one, its train split repeated up to --rows rows) is written once as
-plain Parquet (as `python -m dtf.data.prepare` writes it). Then, alternating so that machine
-load hits all alike, each pipeline reads one full epoch in this process:
+Columns (default): the data set (a built-in one, its train split repeated up to --rows rows) is
+written once as plain Parquet (as `python -m dtf.data.prepare` writes it). Then, alternating so
+that machine load hits all alike, each pipeline reads one full epoch in this process:
 
 - petastorm: iterating `make_batch_reader` directly (one numpy batch per row group), with
   its row-group and in-row-group shuffling on, as dtf's;
@@ -14,6 +15,14 @@ load hits all alike, each pipeline reads one full epoch in this process:
 - memory: the in-memory path (`data=<name>`: DataLoader + DistributedSampler) on the same rows.
 
 It prints rows/s per pipeline (median over repeats) and the ratios; target: dtf >= 0.95 x petastorm.
+
+Images (--images): a Petastorm dataset in the style of Petastorm's hello_world (a Unischema with a
+PNG image field of --image-size^2 x 3 random uint8 pixels and an int label, written by Spark through
+materialize_dataset). Every pipeline decodes every image (Petastorm's CompressedImageCodec, OpenCV)
+and yields torch batches of --batch-size; each is read with reader_pool_type thread and process:
+
+- petastorm: `petastorm.pytorch.DataLoader(make_reader(...))`, row groups shuffled;
+- dtf: `data=petastorm`'s training data on rank 0 of 1 (one rank's decoded samples/s).
 """
 
 from __future__ import annotations
@@ -63,17 +72,120 @@ def dtf_epoch(data: Any, epoch: int) -> Iterable[int]:
         yield len(labels)
 
 
+def write_png_dataset(directory: Path, rows: int, size: int, rows_per_group: int) -> str:
+    """A hello_world-style Petastorm dataset: a PNG image field and an int label, one row group per file."""
+    from petastorm.codecs import CompressedImageCodec, ScalarCodec
+    from petastorm.etl.dataset_metadata import materialize_dataset
+    from petastorm.unischema import Unischema, UnischemaField, dict_to_spark_row
+    from pyspark.sql.types import IntegerType
+
+    from dtf.data.prepare import spark_session
+
+    schema = Unischema(
+        "BenchImages",
+        [
+            UnischemaField("image", np.uint8, (size, size, 3), CompressedImageCodec("png"), False),
+            UnischemaField("label", np.int32, (), ScalarCodec(IntegerType()), False),
+        ],
+    )
+    rng = np.random.default_rng(0)
+    url = directory.resolve().as_uri()
+    records = [
+        dict_to_spark_row(
+            schema,
+            {"image": rng.integers(0, 255, size=(size, size, 3), dtype=np.uint8), "label": np.int32(i % 10)},
+        )
+        for i in range(rows)
+    ]
+    spark = spark_session("local[2]")
+    try:
+        with materialize_dataset(spark, url, schema, row_group_size_mb=256):
+            num_files = max(1, rows // rows_per_group)
+            frame = spark.createDataFrame(spark.sparkContext.parallelize(records, num_files), schema.as_spark_schema())
+            frame.write.mode("overwrite").parquet(url)
+    finally:
+        spark.stop()
+    return url
+
+
+def petastorm_loader_epoch(url: str, pool: str, workers: int, batch_size: int) -> Iterable[int]:
+    from petastorm import make_reader
+    from petastorm.pytorch import DataLoader
+
+    with make_reader(
+        url,
+        schema_fields=["image", "label"],
+        reader_pool_type=pool,
+        workers_count=workers,
+        num_epochs=1,
+        shuffle_row_groups=True,
+        seed=0,
+    ) as reader:
+        for batch in DataLoader(reader, batch_size=batch_size):
+            yield len(batch["label"])
+
+
+def image_case(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        url = write_png_dataset(Path(tmp) / "images", args.rows, args.image_size, args.rows_per_group)
+        dtf_data = {}
+        for pool in ("thread", "process"):
+            cfg = OmegaConf.structured(
+                PetastormDataConfig(
+                    path=url,
+                    feature_columns=["image"],
+                    batch_size=args.batch_size,
+                    workers_count=args.workers,
+                    reader_pool_type=pool,  # type: ignore[arg-type]
+                    shuffle_rows=False,  # as Petastorm's loader (whose make_reader would shuffle within a row group)
+                )
+            )
+            dtf_data[pool], _ = parquet.build(cfg, ENV, seed=0)
+        names = [f"{kind}/{pool}" for pool in ("thread", "process") for kind in ("petastorm", "dtf")]
+        results: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.repeats + 1):  # the first round warms caches and imports; not counted
+            for pool in ("thread", "process"):
+                rates = {
+                    f"petastorm/{pool}": rows_per_sec(
+                        lambda pool=pool: petastorm_loader_epoch(url, pool, args.workers, args.batch_size)
+                    ),
+                    f"dtf/{pool}": rows_per_sec(lambda pool=pool, i=i: dtf_epoch(dtf_data[pool], i)),
+                }
+                if i:
+                    for name, rate in rates.items():
+                        results[name].append(rate)
+    med = {name: statistics.median(v) for name, v in results.items()}
+    print(
+        f"PNG images: {args.rows} rows of {args.image_size}x{args.image_size}x3 uint8, ~{args.rows_per_group} rows per "
+        f"row group, batch {args.batch_size}, {args.workers} reader workers, decoded samples/s on one rank, "
+        f"median of {args.repeats}"
+    )
+    for name, rate in med.items():
+        print(f"  {name:<18} {rate:>10,.0f} samples/s")
+    for pool in ("thread", "process"):
+        print(f"  dtf / petastorm ({pool}) = {med[f'dtf/{pool}'] / med[f'petastorm/{pool}']:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="fake_images", choices=["fake_images", "digits", "scalar_field"])
-    p.add_argument("--rows", type=int, default=16384)
-    p.add_argument("--rows-per-group", type=int, default=1024)
+    p.add_argument("--images", action="store_true", help="the PNG image case (a Petastorm dataset)")
+    p.add_argument("--image-size", type=int, default=64, help="--images: pixels per side")
+    p.add_argument("--rows", type=int, default=None, help="default: 16384, with --images 4096")
+    p.add_argument("--rows-per-group", type=int, default=None, help="default: 1024, with --images 256")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="Petastorm reader workers (both pipelines)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     quiet_petastorm()
     torch.set_num_threads(1)
+    if args.images:
+        args.rows = args.rows or 4096
+        args.rows_per_group = args.rows_per_group or 256
+        image_case(args)
+        return
+    args.rows = args.rows or 16384
+    args.rows_per_group = args.rows_per_group or 1024
 
     x, y = build_splits(args.data)["train"]
     reps = -(-args.rows // len(x))

@@ -126,12 +126,21 @@ class PetastormDataConfig:
     # The training data: a Parquet file or directory, or a Petastorm dataset, as a local path or a
     # URL (file://, hdfs://, s3://, gs://, ... whatever Petastorm and fsspec resolve).
     path: str = MISSING
-    # Test data, evaluated with every row counted exactly once (null: no evaluation).
+    # Test data, evaluated with every row counted exactly once (null: no evaluation, unless
+    # test_filters is set: then the test data are data.path's partitions that test_filters keep).
     test_path: str | None = None
+    # Hive partitions to read ([[split, '=', train]]; a list of such lists: any of them), pyarrow's
+    # DNF on partition columns only (whole files, so the equal-batches plan stays exact).
+    filters: Any = None
+    test_filters: Any = None
     # The model input: one column as stored (with its shape), or several flattened and concatenated.
     feature_columns: list[str] = field(default_factory=lambda: ["features"])
     label_column: str = "label"
-    # A callable by _target_ (_partial_: true) applied to every (features, labels) batch, e.g. a reshape.
+    # The dtype features (and float labels) arrive in: auto (torch's default dtype, the model's),
+    # float32, float64, float16, bfloat16. Integer labels arrive as int64.
+    feature_dtype: str = "auto"
+    # A callable by _target_, or a list of them applied in order, to every (features, labels) batch:
+    # dtf.data.transforms.Scale, Normalize, Reshape, Permute, or your own.
     transform: Any = None
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from dtf.data.parquet_plan import (
     EpochOrder,
@@ -28,7 +28,7 @@ from dtf.data.parquet_plan import (
     train_share,
 )
 from dtf.data.parquet_reader import Columns, ReaderOptions, read_segments
-from dtf.data.parquet_source import ParquetSource, open_sources, storage_options
+from dtf.data.parquet_source import FEATURE_DTYPES, ParquetSource, open_sources, storage_options
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 
@@ -36,13 +36,22 @@ Batch = Any
 Transform = Callable[[Batch], Batch]
 
 
+_NUMPY_FLOAT: dict[torch.dtype, np.dtype] = {
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+
+
 @dataclass(frozen=True)
 class BatchLayout:
-    """Which columns make the features and the label, and the per-row shapes to give them."""
+    """Which columns make the features and the label, the per-row shapes to give them, and the
+    dtype features arrive in (the model's: integer pixels or counts would not pass a Linear layer)."""
 
     feature_columns: tuple[str, ...]
     label_column: str
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    feature_dtype: torch.dtype = torch.float32
 
     @property
     def columns(self) -> list[str]:
@@ -56,26 +65,51 @@ class BatchLayout:
             raise UserError(f"column {name!r} holds {values.shape[1:]} values per row, not the stored shape {shape}")
         return values.reshape(len(values), *shape)
 
+    @property
+    def float_dtype(self) -> np.dtype:
+        """The numpy dtype arrays are cast to once per row group (to bfloat16, which numpy lacks, per batch)."""
+        return _NUMPY_FLOAT.get(self.feature_dtype, np.dtype(np.float32))
+
     def arrays(self, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
         features = [self._shaped(cols[name], name) for name in self.feature_columns]
-        # Several columns: one flat feature vector per row (a transform can reshape it).
-        x = features[0] if len(features) == 1 else np.concatenate([f.reshape(len(f), -1) for f in features], axis=1)
+        for name, values in zip(self.feature_columns, features, strict=True):
+            if values.dtype.kind not in "iufb":
+                raise UserError(f"data.feature_columns: column {name!r} holds {values.dtype} values; use numeric ones")
+        # Several columns: one flat feature vector per row (a transform can reshape it). One scalar
+        # column: a vector of one value per row, as a Linear layer with in_features=1 takes it.
+        if len(features) == 1:
+            x = features[0] if features[0].ndim > 1 else features[0].reshape(-1, 1)
+        else:
+            x = np.concatenate([f.reshape(len(f), -1) for f in features], axis=1)
         y = self._shaped(cols[self.label_column], self.label_column)
-        return _as_torch_dtype(x, "data.feature_columns"), _as_torch_dtype(y, "data.label_column")
+        return _writable(x.astype(self.float_dtype, copy=False)), _label_array(y, self.float_dtype)
 
 
-def _as_torch_dtype(values: np.ndarray, key: str) -> np.ndarray:
-    """Floats in torch's default dtype (the model's), integers as int64 (class indices), writable."""
+def _writable(values: np.ndarray) -> np.ndarray:
+    # Arrow's zero-copy arrays are read-only, which torch.from_numpy warns about: copy those.
+    return values if values.flags.writeable else values.copy()
+
+
+def _label_array(values: np.ndarray, float_dtype: np.dtype) -> np.ndarray:
+    """Labels as stored: integers as int64 (class indices), floats in the features' float dtype."""
     if values.dtype.kind == "f":
-        target = torch.empty(0).numpy().dtype  # torch's default float dtype, as numpy's
+        target = float_dtype
     elif values.dtype.kind in "iu":
         target = np.dtype(np.int64)
     elif values.dtype.kind == "b":
         target = np.dtype(np.bool_)
     else:
-        raise UserError(f"{key}: values of type {values.dtype} cannot become a tensor; use numeric columns")
-    # Arrow's zero-copy arrays are read-only, which torch.from_numpy warns about: copy those.
-    return values.astype(target, copy=not values.flags.writeable)
+        raise UserError(f"data.label_column: values of type {values.dtype} cannot become a tensor; use numeric columns")
+    return _writable(values.astype(target, copy=False))
+
+
+def feature_dtype(name: str) -> torch.dtype:
+    """data.feature_dtype: auto is torch's default dtype, the one a model's parameters are made in."""
+    if name == "auto":
+        return torch.get_default_dtype()
+    if name not in FEATURE_DTYPES:
+        raise UserError(f"data.feature_dtype={name} is invalid: use {', '.join(FEATURE_DTYPES)}")
+    return getattr(torch, name)
 
 
 def cut_batches(
@@ -118,8 +152,11 @@ class _Stream:
     def batches(self, segments: Sequence[Segment], batch_size: int, keep_last_partial: bool) -> Iterator[Batch]:
         rows = read_segments(self.source, segments, self.layout.columns, self.reader)
         chunks = (self.layout.arrays(cols) for cols in rows)
-        for batch in cut_batches(chunks, batch_size, keep_last_partial):
-            yield self.transform(batch) if self.transform is not None else batch
+        dtype = self.layout.feature_dtype
+        for x, y in cut_batches(chunks, batch_size, keep_last_partial):
+            if x.dtype != dtype:  # bfloat16: no numpy dtype to cast to on the way
+                x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
+            yield self.transform((x, y)) if self.transform is not None else (x, y)
 
 
 @dataclass
@@ -203,6 +240,26 @@ class ParquetEvalData:
         return max(0, min(self.batch_size, self.num_real - batch_index * self.batch_size))
 
 
+def build_transform(node: Any) -> Transform | None:
+    """data.transform: one callable by _target_, or a list of them applied in order."""
+    if not node:
+        return None
+    steps = [instantiate(t) for t in node] if isinstance(node, ListConfig | list) else [instantiate(node)]
+    return steps[0] if len(steps) == 1 else Compose(steps)
+
+
+@dataclass(frozen=True)
+class Compose:
+    """Transforms applied one after the other to each (features, labels) batch."""
+
+    steps: Sequence[Transform]
+
+    def __call__(self, batch: Batch) -> Batch:
+        for step in self.steps:
+            batch = step(batch)
+        return batch
+
+
 def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
 
@@ -226,7 +283,8 @@ def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, P
     features = list(cfg.feature_columns)
     storage = storage_options(cfg)
     kind = _value(cfg.reader)
-    transform = instantiate(cfg.transform) if cfg.transform else None
+    transform = build_transform(cfg.transform)
+    dtype = feature_dtype(str(cfg.get("feature_dtype", "auto")))
 
     def stream(src: ParquetSource) -> _Stream:
         row_reader = src.has_unischema if kind == "auto" else kind == "make_reader"
@@ -237,7 +295,8 @@ def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, P
             results_queue_size=cfg.results_queue_size,
             storage_options=storage,
         )
-        return _Stream(src, BatchLayout(tuple(features), cfg.label_column, dict(src.shapes)), reader, transform)
+        layout = BatchLayout(tuple(features), cfg.label_column, dict(src.shapes), dtype)
+        return _Stream(src, layout, reader, transform)
 
     train = ParquetTrainData(
         stream(source),

@@ -71,13 +71,20 @@ class EpochOrder:
         return int(sum(self.piece_rows))
 
     def segments(self, start: int, stop: int) -> list[Segment]:
-        """The rows at global positions [start, stop) of the sequence, one segment per row group."""
+        """The rows at global positions [start, stop) of the sequence, one segment per row group.
+
+        Row groups without rows (an empty file is one) hold no position and get no segment:
+        Petastorm's workers publish nothing for them, so a reader waiting for one would wait in vain.
+        """
         order = piece_order(len(self.piece_rows), self.seed, self.epoch, self.shuffle_row_groups)
         sizes = np.asarray(self.piece_rows, dtype=np.int64)[order]
         ends = np.cumsum(sizes)
         out: list[Segment] = []
         k = int(np.searchsorted(ends, start, side="right"))  # the first row group that holds position start
         while start < stop and k < len(order):
+            if sizes[k] == 0:
+                k += 1
+                continue
             begin = int(ends[k] - sizes[k])
             lo, hi = start - begin, min(stop, int(ends[k])) - begin
             piece = int(order[k])

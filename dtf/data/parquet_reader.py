@@ -1,11 +1,13 @@
-"""Read planned row-group segments through Petastorm's Reader, in plan order.
+"""Read planned row-group segments through Petastorm's reader workers, in plan order.
 
-Petastorm's Reader reads row groups on a pool of workers and hands them out as they finish,
-so with more than one worker their order varies from run to run. A plan needs a fixed
-order: each worker here tags what it publishes with its row group's index, and the
-consumer puts the row groups back into plan order (holding at most what the pool has
-prefetched). Petastorm also lists, opens, decodes (Unischema codecs) and prefetches;
-dtf only chooses which row groups, in which order, and which of their rows.
+Petastorm's workers read row groups on a pool and hand them out as they finish, so with more
+than one worker their order varies from run to run. A plan needs a fixed order: each worker
+here tags what it publishes with its row group's index, and the consumer puts the row groups
+back into plan order (holding at most what the pool has prefetched). Petastorm lists, opens,
+decodes (Unischema codecs) and prefetches; dtf chooses which row groups, in which order, which
+of their rows, and which fields: Petastorm's Reader would infer those from the first file alone
+(see parquet_source), so the workers are started here, as the Reader starts them, with the
+fields dtf found in all files.
 """
 
 from __future__ import annotations
@@ -19,32 +21,78 @@ from typing import Any
 import numpy as np
 from petastorm.arrow_reader_worker import ArrowReaderWorker
 from petastorm.cache import NullCache
+from petastorm.etl.dataset_metadata import load_row_groups
 from petastorm.py_dict_reader_worker import PyDictReaderWorker
-from petastorm.reader import Reader
 from petastorm.reader_impl.pickle_serializer import PickleSerializer
+from petastorm.unischema import Unischema
 from petastorm.workers_pool import EmptyResultError
 from petastorm.workers_pool.dummy_pool import DummyPool
 from petastorm.workers_pool.process_pool import ProcessPool
 from petastorm.workers_pool.thread_pool import ThreadPool
+from petastorm.workers_pool.ventilator import ConcurrentVentilator
 
 from dtf.data.parquet_plan import Segment
-from dtf.data.parquet_source import ParquetSource, first_line, quiet_petastorm, resolve
+from dtf.data.parquet_source import (
+    IMAGE_FIX,
+    ParquetSource,
+    first_line,
+    is_vector,
+    open_dataset,
+    quiet_petastorm,
+    resolve,
+)
 from dtf.errors import UserError
 
 Columns = dict[str, np.ndarray]
 
+# Row groups handed to the pool beyond one per worker (as Petastorm's Reader does).
+_VENTILATE_EXTRA = 2
+
+
+class WorkerReadError(Exception):
+    """A worker's failure as one line naming the file (and the field), picklable across processes."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    seen = {id(error)}
+    while (nxt := error.__cause__ or error.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        error = nxt
+    return error
+
+
+def describe_read_error(error: BaseException, path: str, row_group: int) -> str:
+    """One line: what failed in which file, the root cause, and its fix where dtf knows it."""
+    field = re.match(r'Decoding field "(.+)" failed', str(error))
+    root = _root_cause(error)
+    what = f"decoding field {field.group(1)!r} of {path}" if field else f"reading {path} (row group {row_group})"
+    line = f"{what} failed ({first_line(root)})"
+    if "cv2" in str(root):  # Petastorm's image codec without OpenCV where it decodes
+        line += f": Petastorm's png/jpeg codec needs OpenCV in every process that reads: {IMAGE_FIX}"
+    return line
+
 
 class _TagsResults:
     """Mixin for petastorm's reader workers: publishes (row group index, result) instead of the
-    result alone, so the main thread can put row groups back into plan order."""
+    result alone, so the main thread can put row groups back into plan order; a failure is published
+    as a WorkerReadError that names the file."""
 
     publish_func: Callable[[Any], None]
+    _split_pieces: Sequence[Any]
+
+    def __init__(self, worker_id: int, publish_func: Callable[[Any], None], args: Any) -> None:
+        quiet_petastorm()  # also in the worker processes of reader_pool_type=process
+        super().__init__(worker_id, publish_func, args)  # type: ignore[call-arg]
 
     def process(self, piece_index: int, worker_predicate: Any, shuffle_row_drop_partition: Any) -> None:
         publish = self.publish_func
         self.publish_func = lambda result: publish((piece_index, result))
         try:
             super().process(piece_index, worker_predicate, shuffle_row_drop_partition)  # type: ignore[misc]
+        except Exception as e:
+            # Published as a result, not raised: the pool would print a traceback and stop the worker.
+            piece = self._split_pieces[piece_index]
+            publish((piece_index, WorkerReadError(describe_read_error(e, piece.path, piece.row_group))))
         finally:
             self.publish_func = publish
 
@@ -55,24 +103,6 @@ class _TaggedArrowWorker(_TagsResults, ArrowReaderWorker):
 
 class _TaggedPyDictWorker(_TagsResults, PyDictReaderWorker):
     """make_reader's worker (rows decoded by the Unischema's codecs)."""
-
-
-class _PlannedReader(Reader):
-    """Petastorm's Reader, ventilating exactly the planned row groups in plan order (a row group may repeat)."""
-
-    def __init__(self, *args: Any, source: ParquetSource, planned_pieces: Sequence[int], **kwargs: Any) -> None:
-        self._source = source
-        self._planned_pieces = list(planned_pieces)
-        super().__init__(*args, **kwargs)
-
-    def _filter_row_groups(self, dataset: Any, row_groups: Any, *args: Any) -> tuple[list[int], None]:
-        listed = tuple((p.path, p.row_group) for p in row_groups)
-        if listed != self._source.pieces:
-            raise UserError(
-                f"{self._source.key}={self._source.url} changed while in use ({len(listed)} row groups now, "
-                f"{len(self._source.pieces)} when planned): do not write to a data set a run is reading"
-            )
-        return self._planned_pieces, None
 
 
 @dataclass(frozen=True)
@@ -95,42 +125,59 @@ def _make_pool(opts: ReaderOptions) -> Any:
     return DummyPool()
 
 
+def _start(
+    pool: Any, source: ParquetSource, pieces: Sequence[int], columns: Sequence[str], opts: ReaderOptions
+) -> None:
+    """What Petastorm's Reader does to start reading, with dtf's fields, row groups and order."""
+    fs, path = resolve(source.url, opts.storage_options)
+    dataset = open_dataset(fs, path, source.filters)
+    row_groups = load_row_groups(dataset)
+    listed = tuple((p.path, p.row_group) for p in row_groups)
+    if listed != source.pieces:
+        raise UserError(
+            f"{source.key}={source.url} changed while in use ({len(listed)} row groups now, "
+            f"{len(source.pieces)} when planned): do not write to a data set a run is reading"
+        )
+    schema = Unischema(source.unischema._name, [source.unischema.fields[c] for c in dict.fromkeys(columns)])
+    items = [{"piece_index": i, "worker_predicate": None, "shuffle_row_drop_partition": (0, 1)} for i in pieces]
+    ventilator = ConcurrentVentilator(
+        pool.ventilate,
+        items,
+        iterations=1,
+        max_ventilation_queue_size=pool.workers_count + _VENTILATE_EXTRA,
+        randomize_item_order=False,  # the plan already ordered them
+    )
+    worker = _TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker
+    filters = [list(c) for c in source.filters] if source.filters else None
+    # The worker arguments of Petastorm's Reader: filesystem, path, schema, ngram, row groups, cache,
+    # transform spec, transformed schema, filters, shuffle_rows, seed.
+    pool.start(worker, (fs, path, schema, None, row_groups, NullCache(), None, schema, filters, False, 0), ventilator)
+
+
 def read_segments(
     source: ParquetSource, segments: Sequence[Segment], columns: Sequence[str], opts: ReaderOptions
 ) -> Iterator[Columns]:
     """The rows of each segment, in order, as one numpy array per column (dim 0: rows)."""
+    segments = [s for s in segments if len(s)]  # Petastorm publishes nothing for a row group without rows
     if not segments:
         return
     quiet_petastorm()
-    fs, path = resolve(source.url, opts.storage_options)
     pool = _make_pool(opts)
-    reader = _PlannedReader(
-        fs,
-        path,
-        source=source,
-        planned_pieces=[s.piece for s in segments],
-        # Anchored both ways, so Petastorm's old (match) and new (fullmatch) rules pick the same columns.
-        schema_fields=[re.escape(c) + "$" for c in columns],
-        reader_pool=pool,
-        shuffle_row_groups=False,  # the plan already ordered them
-        shuffle_rows=False,
-        num_epochs=1,
-        cache=NullCache(),
-        worker_class=_TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker,
-        is_batched_reader=not opts.row_reader,
-    )
+    _start(pool, source, [s.piece for s in segments], columns, opts)
     pending: defaultdict[int, deque[Any]] = defaultdict(deque)
     try:
         for seg in segments:
             arrived = pending[seg.piece]
             while not arrived:
                 piece, payload = _next_result(pool, source, seg.piece)
+                if isinstance(payload, WorkerReadError):
+                    raise UserError(f"{source.key}={source.url}: {payload}")
                 pending[piece].append(payload)
             payload = arrived.popleft()
             yield (_rows_to_columns if opts.row_reader else _table_to_columns)(payload, seg.rows, columns)
     finally:
-        reader.stop()
-        reader.join()
+        pool.stop()
+        pool.join()
 
 
 def _next_result(pool: Any, source: ParquetSource, waiting_for: int) -> tuple[int, Any]:
@@ -140,7 +187,7 @@ def _next_result(pool: Any, source: ParquetSource, waiting_for: int) -> tuple[in
         raise RuntimeError(f"Petastorm returned nothing for row group {waiting_for} of {source.url}") from None
     except UserError:
         raise
-    except Exception as e:  # a worker's read or decode error, re-raised here by the pool
+    except Exception as e:  # an error of the pool itself
         path, row_group = source.pieces[waiting_for]
         raise UserError(
             f"{source.key}={source.url}: reading {path} (row group {row_group} or one before it) failed "
@@ -169,6 +216,10 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if arr.null_count:
         raise UserError(f"column {name!r} has {arr.null_count} null values: fill or drop them before training")
+    if pa.types.is_dictionary(arr.type):  # a Hive partition column (root/split=train/...)
+        arr = arr.dictionary_decode()
+    if is_vector(arr.type):
+        return vectors_to_numpy(arr, name)
     kind = arr.type
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
         values = arr.flatten()
@@ -188,6 +239,35 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
+def vectors_to_numpy(arr: Any, name: str) -> np.ndarray:
+    """Spark ML vectors (VectorUDT: dense and sparse, as VectorAssembler, StandardScaler, ... write
+    them) as a float64 array of shape (rows, size), sparse ones expanded with zeros."""
+    import pyarrow.compute as pc
+
+    kind, size, indices, values = (arr.field(k) for k in ("type", "size", "indices", "values"))
+    dense = kind.to_numpy(zero_copy_only=False) == 1
+    lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    sizes = np.where(dense, lengths, pc.fill_null(size, 0).to_numpy(zero_copy_only=False))
+    if len(sizes) and np.any(sizes != sizes[0]):
+        raise UserError(
+            f"column {name!r} holds vectors of sizes {sorted(set(sizes.tolist()))[:5]}: every row needs one size"
+        )
+    width = int(sizes[0]) if len(sizes) else 0
+    out = np.zeros((len(arr), width), dtype=np.float64)
+    flat = values.flatten().to_numpy(zero_copy_only=False)
+    rows = np.repeat(np.arange(len(arr)), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cols = np.arange(len(flat)) - starts  # a dense vector's values in order
+    sparse = np.repeat(~dense, lengths)
+    if sparse.any():
+        picked = indices.flatten().to_numpy(zero_copy_only=False)  # dense vectors have none (null)
+        if len(picked) != int(sparse.sum()) or (len(picked) and (picked.min() < 0 or picked.max() >= width)):
+            raise UserError(f"column {name!r} holds sparse vectors whose indices do not match their values or size")
+        cols[sparse] = picked
+    out[rows, cols] = flat
+    return out
+
+
 def _is_numeric(kind: Any) -> bool:
     import pyarrow as pa
 
@@ -198,7 +278,11 @@ def _rows_to_columns(rows_read: list[dict[str, Any]], rows: np.ndarray, columns:
     picked = [rows_read[i] for i in rows.tolist()]
     out = {}
     for name in columns:
-        values = np.asarray([row[name] for row in picked])
+        items = [row[name] for row in picked]
+        try:  # decoded arrays (images, NdarrayCodec): stack copies them in one go, asarray walks them
+            values = np.stack(items) if isinstance(items[0], np.ndarray) else np.asarray(items)
+        except ValueError:  # arrays of different shapes
+            values = np.asarray(items, dtype=object)
         if values.dtype == object:
             raise UserError(f"column {name!r} decodes to values of different shapes or types: dtf cannot batch it")
         out[name] = values

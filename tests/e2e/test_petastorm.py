@@ -3,6 +3,7 @@ a run that ends on its own, an exact mid-epoch resume, and the in-memory path's 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from dtf.data.parquet_plan import EpochOrder, batches_per_rank, train_share
 from dtf.data.prepare import build_splits, write_parquet
 from tests.conftest import DtfRun, run_dtf
+from tests.helpers import user_datasets
 from tests.helpers.parquet_files import SKEWED, write_skewed
 from tests.helpers.record_rows import read_batches
 
@@ -146,3 +148,106 @@ def test_a_corrupt_file_is_one_error_line_before_any_rank_starts(tmp_path: Path)
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dtf: error: data.path=file://{bad}: {bad} is not a readable Parquet file (ArrowInvalid: ")
     assert "Traceback" not in run.stderr and not (tmp_path / "run" / "logs").exists()
+
+
+# --- Data users already have (tests/helpers/user_datasets.py: written by Spark and pandas, not by dtf),
+# --- trained on 2 ranks with the commands of the README's "Your own data".
+
+
+@pytest.fixture(scope="session")
+def user_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    base = tmp_path_factory.getbasetemp() / "user_datasets"
+    hello, hive = user_datasets.spark_datasets(base)
+    return hello, hive, user_datasets.pandas_dataset(base)
+
+
+def check_counts(run: DtfRun, num_rows: int, batch: int, world: int = 2) -> None:
+    """Equal steps on every rank, and every row of the data accounted for (used or dropped)."""
+    s = run.summary
+    per_rank = num_rows // (world * batch)
+    assert s["data_samples"] == num_rows
+    assert s["data_batches_per_epoch"] == per_rank and s["steps_per_rank"] == [per_rank] * world
+    assert s["data_dropped_per_epoch"] == num_rows - per_rank * world * batch
+    assert f"{num_rows - per_rank * world * batch} rows dropped per epoch" in run.stdout
+
+
+def stored_rows(path: Path) -> int:
+    """Rows in the Parquet files under path, counted by pyarrow from the files themselves."""
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in path.rglob("*.parquet"))
+
+
+USER_RUN = ["launcher.nproc=2", "trainer.max_epochs=1", "data.batch_size=8", "model.hidden=16", "loss=cross_entropy"]
+
+
+@pytest.mark.slow
+def test_a_petastorm_hello_world_dataset_with_png_images_trains_on_2_ranks(
+    tmp_path: Path, user_data: tuple[Path, Path, Path]
+) -> None:
+    hello, _, _ = user_data
+    width = math.prod(user_datasets.IMAGE_SHAPE) + math.prod(user_datasets.ARRAY_SHAPE) + 1
+    run = ok(
+        run_dtf(
+            [
+                *USER_RUN,
+                "data=petastorm",
+                f"data.path={hello}",
+                "data.feature_columns=[image1,array_4d,weight]",
+                "data.label_column=label",
+                "data.transform=[{_target_:dtf.data.transforms.Scale,divisor:255}]",
+                f"model.in_features={width}",
+                "model.out_features=4",
+            ],
+            tmp_path / "run",
+        )
+    )
+    assert "via petastorm make_reader" in run.stdout
+    check_counts(run, stored_rows(hello), 8)
+
+
+@pytest.mark.slow
+def test_a_hive_partitioned_spark_ml_dataset_trains_and_tests_from_one_root_on_2_ranks(
+    tmp_path: Path, user_data: tuple[Path, Path, Path]
+) -> None:
+    _, hive, _ = user_data
+    run = ok(
+        run_dtf(
+            [
+                *USER_RUN,
+                "data=petastorm",
+                f"data.path={hive}",
+                "data.filters=[[split,'=',train]]",
+                "data.test_filters=[[split,'=',test]]",
+                "data.feature_columns=[features,bucket]",
+                "data.label_column=label",
+                f"model.in_features={user_datasets.VECTOR_SIZE + 1}",
+                "model.out_features=3",
+            ],
+            tmp_path / "run",
+        )
+    )
+    check_counts(run, stored_rows(hive / "split=train"), 8)
+    assert run.summary["final_test_loss"] is not None
+
+
+@pytest.mark.slow
+def test_pandas_files_of_uneven_sizes_and_widths_with_an_empty_one_train_on_2_ranks(
+    tmp_path: Path, user_data: tuple[Path, Path, Path]
+) -> None:
+    _, _, pandas_dir = user_data
+    run = ok(
+        run_dtf(
+            [
+                *USER_RUN,
+                "data=petastorm",
+                f"data.path={pandas_dir}",
+                f"data.test_path={pandas_dir}",
+                "data.feature_columns=[pixels,count,ratio]",
+                "data.label_column=label",
+                f"model.in_features={user_datasets.PIXELS + 2}",
+                "model.out_features=3",
+            ],
+            tmp_path / "run",
+        )
+    )
+    assert stored_rows(pandas_dir) == sum(user_datasets.PANDAS_SIZES)
+    check_counts(run, stored_rows(pandas_dir), 8)

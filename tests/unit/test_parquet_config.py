@@ -53,6 +53,14 @@ def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed:
         (["data.path={skewed}", "data.test_path={skewed}/part-00009.parquet"], "data.test_path="),
         (["data.path={skewed}", "data.workers_count=0"], "data.workers_count=0 is invalid"),
         (["data.path={skewed}", "data.transform={{_target_:no.such.fn}}"], "data.transform._target_=no.such.fn"),
+        (["data.path={skewed}", "data.feature_dtype=int8"], "data.feature_dtype=int8 is invalid: use auto"),
+        (
+            ["data.path={skewed}", "data.transform=[{{_target_:dtf.data.transforms.Scale,div:255}}]"],
+            "data.transform[0].div is not a parameter of dtf.data.transforms.Scale",
+        ),
+        (["data.path={skewed}", "data.filters=[[label,'=',1]]"], "data.filters: 'label' is not a partition column"),
+        (["data.path={skewed}", "data.test_filters=[[split,'=',test]]"], "data.test_filters: 'split' is not a"),
+        (["data.path={skewed}", "data.filters=[label]"], "data.filters=['label'] is not a list of [column, op"),
         # 1021 rows: enough for 2 ranks of 500, not for 3 (the world size comes from the launcher)
         (["data.path={skewed}", "data.batch_size=500", "launcher.nproc=3"], "data.path=file://"),
     ],

@@ -172,7 +172,7 @@ def test_a_url_of_another_scheme_is_read_through_fsspec() -> None:
             pq.write_table(table, f, row_group_size=sizes[0])
     data, _ = parquet.build(config("memory://dtf-test/data", batch_size=8), env(), seed=0)
     assert len(data) == 67 // 8
-    features = torch.cat([x for x, _ in epoch(data, 0)])
+    features = torch.cat([x for x, _ in epoch(data, 0)]).reshape(-1)  # one scalar column: (batch, 1)
     assert len(set(features.tolist())) == 64
 
 
