@@ -5,7 +5,6 @@ built by dtf.data.parquet behind the same interface."""
 from __future__ import annotations
 
 import itertools
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dtf.data.even import EvalShardSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.train import stop
 
 
 class TrainData(Protocol):
@@ -161,11 +161,10 @@ class LoaderEvalData:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """In DataLoader worker processes: SLURM sends its warning signal (SIGUSR1, ...) to every process
-    of the job step, and by default it would kill the workers; the rank itself handles it (dtf.train.stop).
-    SIGTERM keeps its default, which the DataLoader uses to shut its workers down."""
-    for name in ("SIGUSR1", "SIGUSR2"):
-        signal.signal(signal.Signals[name], signal.SIG_IGN)
+    """worker_init_fn of the DataLoader workers: the rank handles stop signals, its workers ignore
+    them (dtf.train.stop.ignore_stop_signals). Torch installs its own SIGTERM handler in a worker
+    before this runs; a worker still exits when the DataLoader shuts it down or the rank dies."""
+    stop.ignore_stop_signals()
 
 
 def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:

@@ -42,6 +42,7 @@ from dtf.data.parquet_source import (
     resolve,
 )
 from dtf.errors import UserError
+from dtf.train.stop import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
 
@@ -97,12 +98,29 @@ class _TagsResults:
             self.publish_func = publish
 
 
+class _InOwnProcess:
+    """Mixin for the workers of reader_pool_type=process (constructed in their own process, not in the
+    rank): they ignore the stop signals the rank handles, which a job's scheduler sends to every process."""
+
+    def __init__(self, *args: Any) -> None:
+        ignore_stop_signals()
+        super().__init__(*args)
+
+
 class _TaggedArrowWorker(_TagsResults, ArrowReaderWorker):
     """make_batch_reader's worker (whole row groups as Arrow tables)."""
 
 
 class _TaggedPyDictWorker(_TagsResults, PyDictReaderWorker):
     """make_reader's worker (rows decoded by the Unischema's codecs)."""
+
+
+class _ProcessArrowWorker(_InOwnProcess, _TaggedArrowWorker):
+    pass
+
+
+class _ProcessPyDictWorker(_InOwnProcess, _TaggedPyDictWorker):
+    pass
 
 
 @dataclass(frozen=True)
@@ -147,7 +165,9 @@ def _start(
         max_ventilation_queue_size=pool.workers_count + _VENTILATE_EXTRA,
         randomize_item_order=False,  # the plan already ordered them
     )
-    worker = _TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker
+    worker: type = _TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker
+    if opts.pool_type == "process":
+        worker = _ProcessPyDictWorker if opts.row_reader else _ProcessArrowWorker
     filters = [list(c) for c in source.filters] if source.filters else None
     # The worker arguments of Petastorm's Reader: filesystem, path, schema, ngram, row groups, cache,
     # transform spec, transformed schema, filters, shuffle_rows, seed.

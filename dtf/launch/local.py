@@ -69,6 +69,7 @@ class LocalLauncher(Launcher):
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+        start_resource_tracker_ignoring(stop_signals)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
@@ -87,6 +88,20 @@ class LocalLauncher(Launcher):
         finally:
             forwarding.restore()
         return results.get(0)
+
+
+def start_resource_tracker_ignoring(names: list[str]) -> None:
+    """Python's resource tracker (a process multiprocessing starts for the ranks' queues) dies of
+    SIGUSR1 like any process, and SLURM signals every process of a job: start it now, with the
+    stop signals ignored (ignored signals stay ignored across exec), so it outlives them."""
+    from multiprocessing import resource_tracker
+
+    previous = {signal.Signals[n]: signal.signal(signal.Signals[n], signal.SIG_IGN) for n in names}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def died_of(e: ChildFailedError, signal_name: str) -> bool:

@@ -17,6 +17,15 @@ EXIT_STOPPED = 75
 STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
+def ignore_stop_signals() -> None:
+    """In a rank's helper processes (DataLoader workers, Petastorm's reader processes): ignore what
+    the rank itself handles. torchrun, Kubernetes and SLURM signal every process of a job (SIGTERM,
+    SLURM's warning signal), and by default a helper dies of it, which kills the rank before it can
+    save. Helpers still end with the rank (they watch their parent, or are shut down by it)."""
+    for name in STOPPABLE_SIGNALS:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
+
+
 class StopRequest:
     """Installs handlers for the named signals (main thread only) and remembers the first one.
     sigint_kills: SIGINT, unless named, gets its default action (the process dies of it)."""

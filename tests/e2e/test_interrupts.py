@@ -86,3 +86,32 @@ def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path
     assert run.returncode == 1, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1 after a stop"), last
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("data.num_workers=2",),  # DataLoader worker processes
+        ("data=petastorm", "data.reader_pool_type=process"),  # Petastorm's reader processes (path set below)
+    ],
+)
+def test_a_stop_signal_to_every_process_stops_cleanly_with_worker_processes(
+    tmp_path: Path, args: tuple[str, ...], sig: signal.Signals
+) -> None:
+    # What torchrun and Kubernetes (SIGTERM) and SLURM (its warning signal) do: signal every process,
+    # data workers included.
+    if "data=petastorm" in args:
+        from tests.helpers.parquet_files import write_row_groups
+
+        data = write_row_groups(tmp_path / "data", [[2000, 2000]])
+        args = (
+            *args,
+            f"data.path={data}",
+            "data.feature_columns=[features]",
+            "data.label_column=x",
+            "model.in_features=2",
+        )
+    code, err = _interrupt(tmp_path, sig, group=True, args=args)
+    assert code == 75, err[-3000:]
+    assert f"dtf: stopped by {sig.name} at step" in err.strip().splitlines()[-1], err[-3000:]
