@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -73,7 +74,8 @@ class LocalLauncher(Launcher):
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
-            results = elastic_launch(config, fn)(cfg, run_dir)
+            with standard_start_method(self.cfg.start_method):
+                results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
                 # ranks still starting up die of the signal (their handler is not installed yet)
@@ -88,6 +90,22 @@ class LocalLauncher(Launcher):
         finally:
             forwarding.restore()
         return results.get(0)
+
+
+@contextlib.contextmanager
+def standard_start_method(method: str) -> Iterator[None]:
+    """A spawned child sets the parent's *default* start method first thing, whatever context started
+    it; in a worker of Hydra's joblib launcher that is "loky", which the child cannot recreate ("cannot
+    find context for 'loky'"). While the ranks start, the default is a standard one."""
+    current = multiprocessing.get_start_method(allow_none=True)
+    if current in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(current, force=True)
 
 
 def start_resource_tracker_ignoring(names: list[str]) -> None:

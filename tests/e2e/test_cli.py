@@ -105,6 +105,21 @@ def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
     assert lrs == [pytest.approx(2e-3), pytest.approx(2e-2)]  # each job got its own override (x2 ranks)
 
 
+def test_a_sweep_through_hydras_joblib_launcher_runs_its_points_side_by_side(tmp_path: Path) -> None:
+    # joblib's loky workers have a start method ("loky") that a spawned rank cannot recreate
+    run = run_dtf(
+        ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=1e-3,2e-3", "launcher.nproc=1", *SHORT],
+        tmp_path / "sweep",
+        multirun=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["lr_final"] for s in summaries] == [pytest.approx(1e-3), pytest.approx(2e-3)]
+    assert summaries[0]["params_sha256"] != summaries[1]["params_sha256"]
+
+
 def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pkg = tmp_path / "userland" / "mypkg"
     pkg.mkdir(parents=True)
