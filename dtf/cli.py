@@ -10,10 +10,12 @@ import os
 import signal
 import sys
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dtf import launch
@@ -77,6 +79,30 @@ def report_interrupt(e: Interrupted, run_dir: str) -> None:
         where = "no checkpoint was written"
     print(f"dtf: interrupted by {e.signal_name}; the ranks were stopped; {where}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signal.Signals[e.signal_name].value)
+
+
+class RunDirCheck(Callback):
+    """Hydra makes the run (or sweep) directory before dtf's code runs, and a directory it cannot make
+    would end in its traceback: check it first and say which key to fix, in one line."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _make_dir(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _make_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _make_dir(path: str, key: str) -> None:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(
+            f"dtf: error: {key}={path} cannot be made ({e.strerror or type(e).__name__}): "
+            f"give {key} a directory you can write to",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -149,6 +149,27 @@ def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: st
     assert not (run.run_dir / "summary.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        (["hydra.run.dir=/proc/dtf-run"], "/proc/dtf-run"),  # a directory that cannot be made
+        (["-m", "hydra.sweep.dir=/proc/dtf-sweep", "optimizer.lr=1e-3,2e-3"], "/proc/dtf-sweep"),
+    ],
+)
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[str], path: str) -> None:
+    import subprocess
+
+    from tests.conftest import dtf_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtf", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dtf_env()
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"dtf: error: hydra.{'sweep' if '-m' in args else 'run'}.dir={path}")
+    assert "Traceback" not in proc.stderr
+
+
 def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-untyped-def]
     run = dtf("strategy=nope")
     assert run.returncode != 0 and "Traceback" not in run.stderr
