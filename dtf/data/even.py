@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import Sampler
 
 
@@ -38,14 +39,9 @@ class EvalShardSampler(Sampler[int]):
 
 
 def take_first(batch: Any, n: int) -> Any:
-    """The first n samples of a batch made of tensors, tuples, lists and dicts."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, Mapping):
-        return {k: take_first(v, n) for k, v in batch.items()}
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(take_first(v, n) for v in batch) if isinstance(batch, tuple | list) else batch
-    return batch
+    """The first n samples of a batch: every tensor cut, its containers (dicts, lists, tuples,
+    namedtuples) kept as they are."""
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def batch_size_of(batch: Any) -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 
 from dtf.data.even import batch_size_of, take_first
 from dtf.data.loader import EvalData, TrainData
@@ -39,15 +40,10 @@ def supervised_step(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.T
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with its tensors on device, its containers (dicts, lists, tuples, namedtuples) kept."""
     if device.type == "cpu":
         return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
 @dataclass

@@ -5,7 +5,7 @@ against an uninterrupted run or a direct computation, in a second or so."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -88,3 +88,48 @@ def test_lr_scaling_follows_the_global_batch_including_accumulation(tmp_path: Pa
         "optimizer.lr=0.001",
     )
     assert s["lr_final"] == pytest.approx(0.001 * factor)
+
+
+class Sample(NamedTuple):
+    inputs: torch.Tensor
+    target: torch.Tensor
+
+
+class NamedSamples(torch.utils.data.Dataset):
+    """A user's dataset whose samples are namedtuples (the DataLoader collates them into one)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Sample:
+        return Sample(self.x[i], self.y[i])
+
+
+def named_samples(**kwargs: Any) -> tuple[NamedSamples, NamedSamples]:
+    from dtf.data.datasets import scalar_field
+
+    train, test = scalar_field(**kwargs)
+    return NamedSamples(*train.tensors), NamedSamples(*test.tensors)
+
+
+def test_namedtuple_batches_train_and_evaluate_like_tuples(tmp_path: Path) -> None:
+    args = ["trainer.max_steps=20"]
+    plain = _run(tmp_path, "plain", *args)
+    named = _run(tmp_path, "named", *args, "data.dataset._target_=tests.unit.test_trainer.named_samples")
+    assert named["params_sha256"] == plain["params_sha256"]
+    assert named["final_test_loss"] == plain["final_test_loss"]
+
+
+def test_batches_keep_their_container_types_when_moved_or_cut() -> None:
+    from dtf.data.even import take_first
+    from dtf.train.trainer import to_device
+
+    batch = {"pair": Sample(torch.ones(4, 2), torch.arange(4)), "list": [torch.zeros(4)], "name": "b"}
+    moved = to_device(batch, torch.device("meta"))  # any device but the CPU takes the moving path
+    assert isinstance(moved["pair"], Sample) and moved["pair"].inputs.is_meta and moved["name"] == "b"
+    cut = take_first(batch, 3)
+    assert isinstance(cut["pair"], Sample) and cut["pair"].target.tolist() == [0, 1, 2]
+    assert isinstance(cut["list"], list) and cut["list"][0].shape == (3,)
