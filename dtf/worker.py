@@ -100,6 +100,8 @@ def train(
 ) -> dict[str, Any] | None:
     t = cfg.trainer
     if t.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(t.seed)

@@ -40,6 +40,7 @@ def validate(cfg: DictConfig) -> None:
     if "path" in cfg.data.keys():  # noqa: SIM118 - data=petastorm; `in` alone misses a path that is still ???
         _check_petastorm_data(cfg)
     _check_launcher(cfg.launcher, cfg.checkpoint)
+    _check_gpus(cfg)
     _check_checkpoint(cfg.checkpoint)
     _check_strategy(cfg)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
@@ -183,6 +184,27 @@ def _check_launcher(launcher: DictConfig, checkpoint: DictConfig) -> None:
         _require(
             launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more"
         )
+
+
+def _check_gpus(cfg: DictConfig) -> None:
+    """One GPU per rank (each rank pins the GPU of its local rank): more ranks per machine than GPUs
+    would put two ranks on one GPU, which NCCL refuses in the middle of the start-up."""
+    launcher, device = cfg.launcher, str(cfg.trainer.device)
+    if device == "cpu":
+        return
+    gpus_per_node = launcher.get("gpus_per_node")
+    if gpus_per_node and launcher.tasks_per_node > gpus_per_node:  # SLURM: the nodes' GPUs, as asked for
+        raise UserError(
+            f"launcher.tasks_per_node={launcher.tasks_per_node} is more than launcher.gpus_per_node={gpus_per_node} "
+            "GPUs: every rank needs a GPU of its own; lower launcher.tasks_per_node or raise launcher.gpus_per_node"
+        )
+    if launcher.name == "local" and not dist_env.launched_externally() and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if launcher.nproc > visible:
+            raise UserError(
+                f"launcher.nproc={launcher.nproc} is more than the {visible} GPU(s) visible here: every rank needs "
+                f"a GPU of its own; use launcher.nproc={visible} or fewer, or trainer.device=cpu"
+            )
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

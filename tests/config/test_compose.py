@@ -156,3 +156,41 @@ def test_block_class_error_lists_the_model_classes() -> None:
     with pytest.raises(UserError, match=r"no module of class NoSuchBlock in the model; its classes are: .*Conv2d"):
         validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[NoSuchBlock]"))
     validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[Conv2d,Linear]"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["launcher.nproc=2"], "launcher.nproc=2"),  # one GPU per rank, and only one GPU
+        (["launcher=slurm", "launcher.tasks_per_node=4", "launcher.gpus_per_node=2"], "launcher.tasks_per_node=4"),
+    ],
+)
+def test_more_ranks_than_gpus_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, overrides: list[str], key: str
+) -> None:
+    # read, not run, here: no GPU on this machine, so CUDA is faked for the driver's checks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=rf"^{key}.*GPU") as e:
+        validate(make(*overrides))
+    assert "\n" not in str(e.value)
+    validate(make(*overrides, "trainer.device=cpu"))  # on the CPU there is no such limit
+
+
+def test_deterministic_runs_set_what_cublas_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers.inprocess import train_in_process
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    train_in_process(
+        [
+            "trainer.deterministic=true",
+            "trainer.max_steps=1",
+            "data.dataset.num_points=200",
+            "data.dataset.num_test=20",
+        ],
+        tmp_path / "run",
+    )
+    import os
+
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+    torch.use_deterministic_algorithms(False)
