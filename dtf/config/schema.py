@@ -190,7 +190,7 @@ class FSDPStrategyConfig:
     # Recompute each block's activations in backward instead of storing them.
     activation_checkpointing: bool = False
     # Build the model on the meta device and materialise only this rank's shards
-    # (initialised by each module's reset_parameters, seeded with seed + rank).
+    # (initialised by each module's reset_parameters, seeded with seed + the shard index: replicas of a shard agree).
     meta_init: bool = False
 
 

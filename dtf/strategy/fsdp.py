@@ -59,7 +59,8 @@ class FSDPStrategy(Strategy):
         offload: OffloadPolicy = (
             CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.get("cpu_offload") else OffloadPolicy()
         )
-        return {"mesh": self.mesh(env), "mp_policy": mp, "offload_policy": offload}
+        self._mesh = self.mesh(env)
+        return {"mesh": self._mesh, "mp_policy": mp, "offload_policy": offload}
 
     def _shard(self, module: nn.Module, env: DistEnv, kwargs: dict[str, Any]) -> nn.Module:
         blocks = find_blocks(module, self.cfg.get("block_classes"))
@@ -79,9 +80,10 @@ class FSDPStrategy(Strategy):
 
     def _materialise(self, module: nn.Module, env: DistEnv) -> None:
         """Allocate only the local shards, then let each module initialise its own (sharded) tensors.
-        Seeded with seed + rank so that the shards are not copies of each other."""
+        Seeded with seed + the shard's index: shards are not copies of each other, and the ranks that
+        hold the same shard (replicas, in MiCS/HSDP) start with the same values, as they must."""
         module.to_empty(device="cpu" if self.cfg.get("cpu_offload") else env.device)
-        torch.manual_seed(torch.initial_seed() + env.rank)
+        torch.manual_seed(torch.initial_seed() + self._mesh.get_local_rank("shard"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DTensor's RNG tracker notes that CPU meshes use the local RNG
             for m in module.modules():

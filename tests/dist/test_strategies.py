@@ -131,3 +131,12 @@ def test_meta_init_materialises_only_the_local_shards(runs_dir: Path) -> None:
         assert measured == pytest.approx(0.5, rel=0.05)
     # initialised locally (its own seed per shard), it still learns the field
     assert run.summary["test_loss_per_epoch"][-1] < 0.5
+
+
+def test_mics_meta_init_gives_every_replica_of_a_shard_the_same_weights(runs_dir: Path) -> None:
+    # ranks 0 and 2 hold the same shard in different replica groups (and 1 and 3): with a seed per
+    # rank they would start, and stay, different
+    run = _run(runs_dir, "mics_meta", "strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=2",
+               "strategy.meta_init=true", "model=deep_mlp", "trainer.max_steps=3", "data.dataset.num_points=1000",
+               "data.dataset.num_test=100")
+    assert run.summary["params_sha256_consistent"]
