@@ -205,13 +205,15 @@ def train(
         data_dropped_per_epoch=train_data.num_dropped_per_epoch,  # over all ranks
         data_repeated_per_epoch=train_data.num_repeated_per_epoch,
     )
-    if "SLURM_JOB_ID" in os.environ:  # proof of where it ran, for sacct / scontrol
-        summary.update(
-            slurm_job_id=os.environ["SLURM_JOB_ID"], slurm_restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0))
-        )
+    # Every key is always there (null when it does not apply), so readers never have to guess.
+    on_slurm = "SLURM_JOB_ID" in os.environ  # proof of where it ran, for sacct / scontrol
+    summary.update(
+        slurm_job_id=os.environ["SLURM_JOB_ID"] if on_slurm else None,
+        slurm_restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
+        weights_file=WEIGHTS_FILE if t.export_weights else None,
+    )
     if t.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
-        summary["weights_file"] = WEIGHTS_FILE
     hparams = {
         "world_size": env.world_size,
         "strategy": cfg.strategy.name,

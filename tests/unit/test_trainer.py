@@ -133,3 +133,11 @@ def test_batches_keep_their_container_types_when_moved_or_cut() -> None:
     cut = take_first(batch, 3)
     assert isinstance(cut["pair"], Sample) and cut["pair"].target.tolist() == [0, 1, 2]
     assert isinstance(cut["list"], list) and cut["list"][0].shape == (3,)
+
+
+def test_the_summary_names_every_key_even_without_an_export(tmp_path: Path) -> None:
+    s = _run(tmp_path, "run", "trainer.max_steps=2", "trainer.export_weights=false")
+    assert "weights_file" in s and s["weights_file"] is None
+    assert not (tmp_path / "run" / "model.pt").exists()
+    with_export = _run(tmp_path, "run2", "trainer.max_steps=2")
+    assert with_export["weights_file"] == "model.pt"
