@@ -194,3 +194,17 @@ def test_deterministic_runs_set_what_cublas_needs(tmp_path: Path, monkeypatch: p
 
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
     torch.use_deterministic_algorithms(False)
+
+
+def test_the_readme_lists_every_option_of_every_group() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `"): line.split("|")[2]
+        for line in readme.splitlines()
+        if line.startswith("| `") and line.count("|") >= 4
+    }
+    groups = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    for group in groups:
+        assert group in rows, f"README's config table has no row for {group}"
+        listed = {o.strip(" `") for o in rows[group].split(",")}
+        assert set(options(group)) <= listed, (group, set(options(group)) - listed)
