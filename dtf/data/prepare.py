@@ -155,6 +155,17 @@ def write_petastorm(
         frame.write.mode("overwrite").parquet(url)
 
 
+def experiment_for(dataset: str) -> str | None:
+    """The built-in experiment that trains on this data set (its model fits the data's shape), if any."""
+    from omegaconf import OmegaConf
+
+    for path in sorted((CONF_DATA.parent / "experiment").glob("*.yaml")):
+        defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults", [])  # type: ignore[union-attr]
+        if any(isinstance(d, dict) and d.get("override /data") == dataset for d in defaults):
+            return path.stem
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     names = builtin_names()
     parser = argparse.ArgumentParser(prog="python -m dtf.data.prepare", description=__doc__.split("\n")[0])
@@ -186,11 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         spark = spark or spark_session(args.spark_master)
                         write_petastorm(spark, x, y, directory, args.rows_per_group, name)
                     print(f"{directory}: {len(x)} rows, features {list(x.shape[1:])} {x.dtype}, label {y.dtype}")
+            experiment = experiment_for(name)
             for fmt in formats:
                 base = args.out / name / fmt
                 print(
-                    f"train on it: python -m dtf data=petastorm data.path={base / 'train'} "
-                    f"data.test_path={base / 'test'}"
+                    f"train on it: python -m dtf {f'+experiment={experiment} ' if experiment else ''}"
+                    f"data=petastorm data.path={base / 'train'} data.test_path={base / 'test'}"
                 )
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr)
