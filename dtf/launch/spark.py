@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -123,6 +124,17 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
         yield result
 
 
+def require_java(what: str) -> None:
+    """Spark runs on the JVM: without Java it fails deep inside pyspark; say so in one line first."""
+    java_home = os.environ.get("JAVA_HOME")
+    if (java_home and (Path(java_home) / "bin" / "java").is_file()) or shutil.which("java"):
+        return
+    raise UserError(
+        f"{what} needs Java, which Spark runs on, and there is none (no java on PATH, no JAVA_HOME): install a "
+        "JDK or JRE 17 (e.g. apt-get install -y openjdk-17-jre-headless) or set JAVA_HOME"
+    )
+
+
 def _check_master_reachable(master: str) -> None:
     if not master.startswith("spark://"):
         return  # local[N], local-cluster[...], yarn, k8s://...: Spark itself reports those
@@ -142,6 +154,7 @@ def _check_master_reachable(master: str) -> None:
 class SparkLauncher(Launcher):
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
         c = self.cfg
+        require_java("launcher=spark")
         _check_master_reachable(c.master)
         spark = self._session(run_dir)
         rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()

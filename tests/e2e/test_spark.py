@@ -65,3 +65,27 @@ def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, maste
     run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3"], tmp_path / "run", timeout=180)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("dtf: error: launcher.nproc is more than the Spark")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "dtf", "launcher=spark", "trainer.max_steps=2"],
+        ["-m", "dtf.data.prepare", "digits", "--format", "petastorm"],
+    ],
+)
+def test_without_java_spark_is_refused_in_one_line_naming_it(tmp_path: Path, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import dtf_env
+
+    env = dtf_env()
+    env.pop("JAVA_HOME", None)
+    env["PATH"] = str(tmp_path)  # no java anywhere on it
+    proc = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dtf: error:") and "Java" in lines[0], proc.stderr[-2000:]
