@@ -43,8 +43,17 @@ store.register()
 OmegaConf.register_new_resolver("dtf_stamp", _run_stamp, use_cache=True, replace=True)
 
 
+def absolute_pythonpath() -> None:
+    """PYTHONPATH entries relative to the driver's working directory (PYTHONPATH=src) mean nothing
+    where ranks run elsewhere (Spark executors, SLURM nodes): they travel as absolute paths."""
+    if "PYTHONPATH" in os.environ:
+        entries = os.environ["PYTHONPATH"].split(os.pathsep)
+        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(e) for e in entries if e)
+
+
 def run(cfg: DictConfig, run_dir: str) -> Any:
     """Validate, freeze and launch one run; returns rank 0's summary. Callable without Hydra's CLI."""
+    absolute_pythonpath()
     validate(cfg)
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)

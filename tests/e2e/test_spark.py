@@ -40,6 +40,24 @@ def test_ranks_as_spark_barrier_tasks_give_the_local_result(
     assert "epoch 2" in (logs / "rank_0.log").read_text() and (logs / "rank_1.log").is_file()
 
 
+def test_a_users_module_on_a_relative_pythonpath_imports_on_the_executors(tmp_path: Path, master: str) -> None:
+    # PYTHONPATH=userland works where the driver runs; the executors run elsewhere (their work dir)
+    import shutil
+
+    pkg = tmp_path / "userland" / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).parents[1] / "helpers" / "wide.py", pkg / "nets.py")
+    run = _ok(
+        run_dtf(
+            [*SHORT, "launcher=spark", f"launcher.master={master}", "model._target_=mypkg.nets.Wide"],
+            tmp_path / "run",
+            extra_pythonpath=[Path("userland")],  # relative to the driver's working directory
+        )
+    )
+    assert run.summary["launcher"] == "spark" and run.summary["world_size"] == 2
+
+
 def test_a_rank_that_raises_fails_the_run_with_its_error(tmp_path: Path, master: str) -> None:
     t0 = time.monotonic()
     run = run_dtf(
