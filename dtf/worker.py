@@ -22,7 +22,7 @@ from dtf import strategy as strategies
 from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError, user_error_in
-from dtf.launch.failures import EXIT_USER_ERROR, record_user_error
+from dtf.launch.failures import EXIT_USER_ERROR, previous_attempt_failure, record_user_error
 from dtf.train import schedule
 from dtf.train.checkpoint import Checkpointer, attempt_number, choose_start
 from dtf.train.control import StepControl
@@ -168,6 +168,14 @@ def train(
         trainer.resume_from(Path(resume))
         if env.is_main:
             print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and env.is_main:  # the agent restarted the ranks after a failure: say so, once
+        where = f"resuming from step {trainer.state.step}" if resume is not None else "starting over (no checkpoint)"
+        print(
+            f"dtf: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (launcher.max_restarts): "
+            f"{previous_attempt_failure()}; {where}",
+            flush=True,
+        )
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "

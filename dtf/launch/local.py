@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,7 +75,7 @@ class LocalLauncher(Launcher):
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
-            with standard_start_method(self.cfg.start_method):
+            with standard_start_method(self.cfg.start_method), temp_files_in(Path(run_dir) / "logs"):
                 results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
@@ -90,6 +91,19 @@ class LocalLauncher(Launcher):
         finally:
             forwarding.restore()
         return results.get(0)
+
+
+@contextlib.contextmanager
+def temp_files_in(directory: Path) -> Iterator[None]:
+    """torch's spawn leaves a pytorch-errorfile-*.pickle in the temp dir for every rank that fails:
+    they go with the run's logs instead (the agent's own temp files too, while it starts ranks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(directory)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
 
 
 @contextlib.contextmanager

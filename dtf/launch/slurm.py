@@ -203,6 +203,14 @@ class SlurmLauncher(Launcher):
             SUBMITTED.append((job, run_dir, *tasks))
             return {"slurm_job_id": job.job_id, "submitted": True}
         if not self.cfg.wait:
+            from submitit.core.utils import JobPaths
+
+            rank0_log = JobPaths(job.paths.folder, job.job_id, task_id=0).stdout
+            print(
+                f"dtf: not waiting (launcher.wait=false): the job's result will be {Path(run_dir) / 'summary.json'}; "
+                f"follow it with `squeue -j {job.job_id}` and `tail -f {rank0_log}`",
+                flush=True,
+            )
             return {"slurm_job_id": job.job_id, "submitted": True}
         return wait_for(job, run_dir, *tasks)
 

@@ -208,3 +208,10 @@ def test_the_readme_lists_every_option_of_every_group() -> None:
         assert group in rows, f"README's config table has no row for {group}"
         listed = {o.strip(" `") for o in rows[group].split(",")}
         assert set(options(group)) <= listed, (group, set(options(group)) - listed)
+
+
+def test_the_readme_gives_the_spark_launchers_default_master() -> None:
+    from dtf.config.schema import SparkLauncherConfig
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f"`launcher.master` (default `{SparkLauncherConfig().master}`" in " ".join(readme.split())

@@ -119,6 +119,12 @@ def test_a_restarted_run_resumes_from_its_newest_checkpoint(tmp_path: Path, stra
     )
     assert restarted.summary["resumed_from_step"] == 60  # the newest checkpoint before the failure
     _same_run(restarted, straight_failing)
+    # the restart is said, in one line: which rank failed and why, which attempt, where it resumes
+    said = [line for line in restarted.stdout.splitlines() if line.startswith("dtf: restart")]
+    assert said == [
+        "dtf: restart 1 of 1 (launcher.max_restarts): rank 1 failed (RuntimeError: injected failure on rank 1); "
+        "resuming from step 60"
+    ], restarted.stdout[-2000:]
 
 
 @pytest.mark.parametrize("how", ["agent:SIGTERM", "SIGUSR1"])

@@ -191,15 +191,31 @@ def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {message}"), run.stderr
 
 
-def test_a_rank_that_raises_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_raises_fails_the_run_within_seconds(dtf, rank: int) -> None:  # type: ignore[no-untyped-def]
     start = time.monotonic()
-    run = dtf("model._target_=user_models.FailingModel", "+model.fail_rank=1", "trainer.dist_timeout_s=600")
+    run = dtf("model._target_=user_models.FailingModel", f"+model.fail_rank={rank}", "trainer.dist_timeout_s=600")
     elapsed = time.monotonic() - start
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1"), run.stderr
+    assert last.startswith(f"dtf: error: rank {rank} failed: RuntimeError: injected failure on rank {rank}"), run.stderr
+    # whichever rank it is, its traceback is shown once, the same way, just before that line
+    assert run.stderr.count(f"--- traceback of rank {rank} ---") == 1, run.stderr
+    assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr
+    assert "in forward" in run.stderr
     assert elapsed < 60  # start-up + failure detection; the collective timeout (600 s) never matters
     assert not (run.run_dir / "summary.json").exists()
+
+
+def test_a_failed_run_leaves_nothing_in_the_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's spawn writes each failing rank's traceback to a pytorch-errorfile-*.pickle in the temp dir
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    run = run_dtf(["model._target_=user_models.FailingModel", "+model.fail_rank=1", *SHORT], tmp_path / "run")
+    assert run.returncode == 1
+    assert not list(temp.glob("pytorch-errorfile-*")), sorted(p.name for p in temp.iterdir())
+    assert list((tmp_path / "run" / "logs").rglob("pytorch-errorfile-*")), "kept with the run's logs instead"
 
 
 def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]

@@ -63,6 +63,18 @@ def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(
     ]
 
 
+def test_not_waiting_says_where_the_result_will_land_and_how_to_follow_the_job(tmp_path: Path) -> None:
+    run = _ok(run_dtf([*SHORT, "launcher=slurm", "launcher.wait=false"], tmp_path / "run"))
+    job = _job_id(run)
+    summary = tmp_path / "run" / "summary.json"
+    said = run.stdout.strip().splitlines()[-1]
+    assert f"squeue -j {job}" in said and str(summary) in said and f"{job}_0_log.out" in said, run.stdout
+    deadline = time.monotonic() + 180  # the job goes on without the driver, and lands where it said
+    while not summary.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert json.loads(summary.read_text())["slurm_job_id"] == job
+
+
 def test_a_preempted_job_checkpoints_requeues_and_ends_as_the_uninterrupted_run(tmp_path: Path) -> None:
     # forwards sleep, so the run lasts long enough for a signal from outside to land mid-run
     args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT, "trainer.max_steps=100"]
