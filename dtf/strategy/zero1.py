@@ -14,26 +14,25 @@ ranks, so one large embedding lands on one rank with all its state).
 Checkpoints have the structure torch.distributed.checkpoint.state_dict gives DDP: state keyed by
 parameter name, every group with its current settings and the names of all its parameters. A
 piece's state is a flat range of its parameter, i.e. a few rectangular blocks of the parameter's
-shape; each state tensor is saved as a ShardedTensor whose local shards are views of the local
-state, so DCP writes and reads it in place and reshards it from and to any world size or
-strategy. Scalar state (Adam's step) is the same on every rank and saved as it is.
+shape; each state tensor goes to DCP as a SlicedState, a tensor of the parameter's shape whose
+blocks are views of the local state, so DCP writes and reads them in place and reshards them
+from and to any world size or strategy. Scalar state (Adam's step) is the same on every rank and
+saved as it is.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.optim import Optimizer
 
@@ -41,11 +40,6 @@ from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import OptimizerFactory, local_state_bytes, parameter_and_grad_bytes
 from dtf.strategy.ddp import DDPStrategy
-
-# ShardedTensor is deprecated in favour of DTensor, but a DTensor cannot describe a flat range of
-# a parameter, and DCP still reads and writes ShardedTensors (its FSDP1 path): silence the notice
-# that DCP triggers on every save and load, nothing else.
-warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
 # second moments, matrix orthogonalisation, line searches): a flat slice would change their math.
@@ -85,6 +79,73 @@ def flat_range_blocks(shape: tuple[int, ...], start: int, stop: int) -> list[Blo
     return blocks
 
 
+class SlicedState(torch.Tensor):
+    """A state tensor of a parameter as DCP sees it: the parameter's shape, of which this rank
+    holds some rectangular blocks (views of its local state). It implements DCP's checkpointable
+    protocol (__create_write_items__, __create_chunk_list__, __get_tensor_shard__) as DTensor and
+    torch's LocalShardsWrapper do: DCP writes the blocks and reads into them in place, and
+    dcp.async_save can stage a copy (new_empty, then the attributes). It supports nothing else."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    blocks: list[torch.Tensor]
+    offsets: list[torch.Size]
+
+    @staticmethod
+    def __new__(cls, size: torch.Size, blocks: list[torch.Tensor], offsets: list[torch.Size]) -> SlicedState:
+        r = torch.Tensor._make_wrapper_subclass(cls, size, dtype=blocks[0].dtype, device=blocks[0].device)
+        r.blocks, r.offsets = blocks, offsets
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        kwargs = kwargs or {}
+        self = args[0]
+        if func is torch.ops.aten.new_empty.default:
+            device = kwargs.get("device") or self.device
+            return cls(self.size(), [torch.empty_like(b, device=device) for b in self.blocks], self.offsets)
+        if func is torch.ops.aten.detach.default:
+            return self
+        raise NotImplementedError(f"{func} on a ZeRO-1 optimizer state slice (it only goes to checkpoints)")
+
+    def _properties(self) -> TensorProperties:
+        return TensorProperties.create_from_tensor(self.blocks[0])
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets, i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=block.size()),
+                    properties=self._properties(),
+                    size=self.size(),
+                ),
+            )
+            for i, (block, offsets) in enumerate(zip(self.blocks, self.offsets, strict=True))
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=b.size()) for b, o in zip(self.blocks, self.offsets, strict=True)]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for i, offsets in enumerate(self.offsets):
+            if offsets == index.offset:
+                return self.blocks[i]
+        raise ValueError(f"no block at {index.offset} of {index.fqn} on this rank")
+
+    def copy_into(self, local: torch.Tensor, piece: Piece) -> None:
+        """Its blocks into the local state of piece (nothing to do when they are views of it)."""
+        if self.offsets != [torch.Size(o) for o, _, _ in piece.blocks]:
+            raise ValueError(f"{piece.fqn}: a state slice of another layout")
+        for block, (_, _, pos) in zip(self.blocks, piece.blocks, strict=True):
+            target = local[pos : pos + block.numel()]
+            if target.data_ptr() != block.data_ptr():
+                target.copy_(block.reshape(-1))
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"SlicedState(size={tuple(self.size())}, blocks at {[tuple(o) for o in self.offsets]})"
+
+
 @dataclass(eq=False)
 class Piece:
     """The part of one parameter inside this rank's slice: elements [start, stop) of the
@@ -95,8 +156,7 @@ class Piece:
     start: int
     stop: int
     tensor: torch.Tensor
-    blocks: list[Block] = field(default_factory=list)  # this rank's blocks of the parameter
-    layout: list[ShardMetadata] = field(default_factory=list)  # every rank's blocks of it
+    blocks: list[Block]  # the same elements as blocks of the parameter's shape
 
 
 @dataclass(eq=False)
@@ -155,21 +215,10 @@ class ShardedOptimizer(Optimizer):
                     size = p.numel()
                     data[offset : offset + size].copy_(p.detach().reshape(-1))
                     p.data = data[offset : offset + size].view(p.shape)
-                    layout = [
-                        ShardMetadata(o, s, f"rank:{rank}/{device}")
-                        for rank in range(n)
-                        for o, s, _ in flat_range_blocks(
-                            tuple(p.shape),
-                            max(0, rank * per_rank - offset),
-                            min(size, (rank + 1) * per_rank - offset),
-                        )
-                    ]
                     lo, hi = max(offset, mine_lo), min(offset + size, mine_hi)
                     if lo < hi:
                         blocks = flat_range_blocks(tuple(p.shape), lo - offset, hi - offset)
-                        self.pieces.append(
-                            Piece(self._names[p], p, lo - offset, hi - offset, data[lo:hi], blocks, layout)
-                        )
+                        self.pieces.append(Piece(self._names[p], p, lo - offset, hi - offset, data[lo:hi], blocks))
                     offset += size
             self._flat.append(_FlatBuffer(data, data[mine_lo:mine_hi], per_rank * n - numel))
 
@@ -234,7 +283,7 @@ class ShardedOptimizer(Optimizer):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """{"state": {name: {key: value}}, "param_groups": [{settings..., "params": [names]}]}, as
-        get_optimizer_state_dict returns for DDP; this rank's state tensors as ShardedTensors."""
+        get_optimizer_state_dict returns for DDP; this rank's state tensors as SlicedStates."""
         self._push_settings()
         self._materialise_state()
         state: dict[str, Any] = {}
@@ -256,23 +305,16 @@ class ShardedOptimizer(Optimizer):
                 f"for a slice of {piece.tensor.numel()} elements of {piece.fqn}: it is not element-wise, which "
                 "strategy=zero stage 1 needs; use strategy=ddp"
             )
-        shards = [
-            Shard(
-                value[pos : pos + math.prod(sizes)].view(sizes),
-                ShardMetadata(offsets, sizes, f"rank:{self.rank}/{value.device}"),
-            )
-            for offsets, sizes, pos in piece.blocks
-        ]
-        meta = ShardedTensorMetadata(
-            shards_metadata=piece.layout,
-            size=piece.param.shape,
-            tensor_properties=TensorProperties(dtype=value.dtype, layout=value.layout, requires_grad=False),
+        return SlicedState(
+            piece.param.shape,
+            [value[pos : pos + math.prod(sizes)].view(sizes) for _, sizes, pos in piece.blocks],
+            [torch.Size(offsets) for offsets, _, _ in piece.blocks],
         )
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=self.process_group)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes over a state dict of sharded_state_dict()'s structure. Its ShardedTensors (loaded
-        in place by DCP) are already the local state; whole tensors of a parameter's shape are sliced."""
+        """Takes over a state dict of sharded_state_dict()'s structure, after DCP loaded it in place
+        (its SlicedStates are views of the local state). Whole tensors of a parameter's shape (a
+        state dict of a whole optimizer) are sliced."""
         saved_groups = state["param_groups"]
         ours = [[self._names[p] for p in g["params"]] for g in self.param_groups]
         if [list(g["params"]) for g in saved_groups] != ours:
@@ -285,7 +327,8 @@ class ShardedOptimizer(Optimizer):
         for piece in self.pieces:
             local = self.local.state[piece.tensor]
             for key, value in state["state"].get(piece.fqn, {}).items():
-                if isinstance(value, ShardedTensor):
+                if isinstance(value, SlicedState):
+                    value.copy_into(local[key], piece)
                     continue
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     value = value.reshape(-1)[piece.start : piece.stop]
@@ -327,9 +370,9 @@ def _same_class_over(template: Optimizer, groups: list[dict[str, Any]]) -> Optim
 def check_element_wise(cls: type[Optimizer]) -> None:
     if issubclass(cls, _NOT_ELEMENT_WISE):
         raise UserError(
-            f"optimizer._target_={cls.__module__}.{cls.__qualname__}: strategy=zero stage 1 steps an element-wise "
-            "slice of the parameters on each rank, which suits element-wise optimizers only (SGD, Adam, AdamW, "
-            "RMSprop, ...); use strategy=ddp"
+            f"optimizer._target_: {cls.__name__} updates an element from other elements of its parameter, but "
+            "strategy=zero stage 1 steps an element-wise slice of the parameters on each rank: use an element-wise "
+            "optimizer (SGD, Adam, AdamW, RMSprop, ...) or strategy=ddp"
         )
 
 
@@ -347,6 +390,14 @@ class Zero1Strategy(DDPStrategy):
                 f"it built a {type(template).__name__}"
             )
         check_element_wise(type(template))
+        sparse = [
+            type(m).__name__ for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+        ]
+        if sparse:
+            raise UserError(
+                f"model: {sparse[0]}(sparse=True) makes sparse gradients; strategy=zero stage 1 slices dense "
+                "gradients: build it with sparse=False, or use strategy=ddp"
+            )
         optimizer = ShardedOptimizer(template, {p: name for name, p in model.named_parameters()})
         del template  # its state, if its class makes any up front (Adagrad), would be the whole model's
         wrapped, _ = super().setup(model, _no_optimizer, env)

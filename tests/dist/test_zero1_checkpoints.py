@@ -21,6 +21,7 @@ COMMON = [
 ]
 K, N = 20, 40
 STRATEGIES = {"zero1": ["strategy=zero", "strategy.stage=1"], "ddp": ["strategy=ddp"]}
+SAVE = {"zero1": ["checkpoint.async_save=true"], "ddp": []}  # zero1's state is staged, then written by a thread
 
 
 def _ok(run: DtfRun) -> DtfRun:
@@ -34,7 +35,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("saved")
     paths = {}
     for name, args in STRATEGIES.items():
-        run = _ok(run_dtf([*COMMON, *args, f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"], root / name))
+        run = _ok(
+            run_dtf([*COMMON, *args, *SAVE[name], f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"], root / name)
+        )
         paths[name] = run.run_dir / "checkpoints" / f"step_{K:09d}"
     return paths
 

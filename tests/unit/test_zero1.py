@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from dtf.errors import UserError
 from dtf.strategy.base import Strategy
 from dtf.strategy.ddp import DDPStrategy
 from dtf.strategy.zero import zero
+from dtf.strategy.zero1 import flat_range_blocks
 from tests.helpers.gloo import run_on_ranks
 
 
@@ -120,6 +122,22 @@ def _check_local_state(opt: Any, full: dict[str, Any]) -> None:
                 assert torch.equal(local[key], value.reshape(-1)[piece.start : piece.stop]), (piece.fqn, key)
 
 
+# -- the layout ------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(7, 5), (2, 3, 4), (10,), (), (3, 1, 2), (1, 6)])
+def test_a_flat_range_becomes_the_blocks_that_cover_exactly_it(shape: tuple[int, ...]) -> None:
+    numel = math.prod(shape)
+    positions = torch.arange(numel).reshape(shape)
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            covered = []
+            for offsets, sizes, pos in flat_range_blocks(shape, start, stop):
+                block = positions[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+                # a block is a run of consecutive elements, at its place in the piece
+                assert block.reshape(-1).tolist() == list(range(start + pos, start + pos + block.numel()))
+                covered += block.reshape(-1).tolist()
+            assert covered == list(range(start, stop)), (shape, start, stop)
+
+
 # -- a step ----------------------------------------------------------------------------------
 def _steps_like_the_whole_optimizer(rank: int, world: int, name: str) -> None:
     env = DistEnv(rank, world, rank, torch.device("cpu"))
@@ -197,9 +215,10 @@ def test_the_state_dict_has_ddps_structure_and_the_current_hyperparameters() -> 
     run_on_ranks(_state_dict_like_ddp, 2)
 
 
-def _train_and_save(rank: int, world: int, strategy_name: str, out: str) -> None:
-    """Trains 3 steps with zero1 or ddp, saves a DCP checkpoint, and (rank 0) the reference's full
-    state: a whole model and optimizer trained on the full batch in this process."""
+def _train_and_save(rank: int, world: int, strategy_name: str, out: str, in_background: bool) -> None:
+    """Trains 3 steps with zero1 or ddp, saves a DCP checkpoint (in_background: as dtf's
+    checkpoint.async_save does), and (rank 0) the reference's full state: a whole model and
+    optimizer trained on the full batch in this process."""
     env = DistEnv(rank, world, rank, torch.device("cpu"))
     reference = _model()
     ref_opt = _grouped("adamw", reference.parameters())
@@ -214,7 +233,10 @@ def _train_and_save(rank: int, world: int, strategy_name: str, out: str) -> None
     for step in range(3):
         _train(model, opt, sched, step, *_batch(step, rank))
         _train(reference, ref_opt, ref_sched, step, *_full_batch(step, world))
-    dcp.save(strategy.state_dict(model, opt), checkpoint_id=out)
+    if in_background:  # the state is staged (copied) first, then written by a thread
+        dcp.async_save(strategy.state_dict(model, opt), checkpoint_id=out).result()
+    else:
+        dcp.save(strategy.state_dict(model, opt), checkpoint_id=out)
     if rank == 0:
         full = {"model": reference.state_dict(), "optim": get_optimizer_state_dict(reference, ref_opt)}
         torch.save(full, Path(out) / "reference.pt")
@@ -279,14 +301,19 @@ def _load_and_check(rank: int, world: int, strategy_name: str, path: str, full_f
 
 
 @pytest.mark.parametrize(
-    ("saved_by", "saved_world", "loaded_by", "loaded_world"),
-    [("zero1", 2, "ddp", 1), ("zero1", 2, "zero1", 4), ("ddp", 2, "zero1", 2), ("zero1", 3, "zero1", 2)],
+    ("saved_by", "saved_world", "loaded_by", "loaded_world", "in_background"),
+    [
+        ("zero1", 2, "ddp", 1, False),
+        ("zero1", 2, "zero1", 4, False),
+        ("ddp", 2, "zero1", 2, False),
+        ("zero1", 3, "zero1", 2, True),
+    ],
 )
 def test_a_checkpoint_reshards_between_zero1_ddp_and_world_sizes(
-    tmp_path: Path, saved_by: str, saved_world: int, loaded_by: str, loaded_world: int
+    tmp_path: Path, saved_by: str, saved_world: int, loaded_by: str, loaded_world: int, in_background: bool
 ) -> None:
     path = tmp_path / "ckpt"
-    run_on_ranks(_train_and_save, saved_world, saved_by, str(path))
+    run_on_ranks(_train_and_save, saved_world, saved_by, str(path), in_background)
     full = _load_full(path)
     torch.save(full, tmp_path / "full.pt")
     run_on_ranks(_load_and_check, loaded_world, loaded_by, str(path), str(tmp_path / "full.pt"))
@@ -296,5 +323,11 @@ def test_a_checkpoint_reshards_between_zero1_ddp_and_world_sizes(
 @pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.Adafactor])
 def test_optimizers_that_are_not_element_wise_are_refused(cls: type[torch.optim.Optimizer]) -> None:
     env = DistEnv(0, 1, 0, torch.device("cpu"))
-    with pytest.raises(UserError, match=r"optimizer\._target_"):
+    with pytest.raises(UserError, match=rf"optimizer\._target_: {cls.__name__} .* or strategy=ddp$"):
         _zero1().setup(_model(), functools.partial(cls, lr=0.1), env)
+
+
+def test_sparse_gradients_are_refused() -> None:
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"model: Embedding\(sparse=True\) .* sparse=False, or use strategy=ddp"):
+        _zero1().setup(nn.Embedding(10, 3, sparse=True), functools.partial(torch.optim.SGD, lr=0.1), env)
