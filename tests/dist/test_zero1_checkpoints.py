@@ -20,7 +20,7 @@ COMMON = [
     "trainer.warmup_steps=5",
 ]
 K, N = 20, 40
-STRATEGIES = {"zero1": ["strategy=zero", "strategy.stage=1"], "ddp": ["strategy=ddp"]}
+STRATEGIES = {"zero1": ["strategy=zero", "strategy.stage=1"], "ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"]}
 SAVE = {"zero1": ["checkpoint.async_save=true"], "ddp": []}  # zero1's state is staged, then written by a thread
 
 
@@ -34,7 +34,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The checkpoint at step K of a 2-rank run, by strategy."""
     root = tmp_path_factory.mktemp("saved")
     paths = {}
-    for name, args in STRATEGIES.items():
+    for name in ("zero1", "ddp"):
+        args = STRATEGIES[name]
         run = _ok(
             run_dtf([*COMMON, *args, *SAVE[name], f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"], root / name)
         )
@@ -59,15 +60,33 @@ def _resume(tmp_path: Path, tag: str, checkpoint: Path, strategy: str, world: in
     return run
 
 
+@pytest.fixture(scope="module")
+def ddp_resumed(tmp_path_factory: pytest.TempPathFactory, saved: dict[str, Path]) -> dict[int, DtfRun]:
+    """The reference, by world size: DDP's checkpoint resumed by DDP (made once, when first asked)."""
+    root = tmp_path_factory.mktemp("ddp_resumed")
+
+    class Runs(dict[int, DtfRun]):
+        def __missing__(self, world: int) -> DtfRun:
+            self[world] = _resume(root, f"ddp{world}", saved["ddp"], "ddp", world)
+            return self[world]
+
+    return Runs()
+
+
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by", "world"),
-    [("zero1", "ddp", 1), ("zero1", "zero1", 4), ("ddp", "zero1", 2)],
+    [("zero1", "ddp", 1), ("zero1", "zero1", 4), ("ddp", "zero1", 2), ("zero1", "fsdp", 2)],
 )
 def test_a_resharded_resume_continues_as_ddps_does(
-    tmp_path: Path, saved: dict[str, Path], saved_by: str, resumed_by: str, world: int
+    tmp_path: Path,
+    saved: dict[str, Path],
+    ddp_resumed: dict[int, DtfRun],
+    saved_by: str,
+    resumed_by: str,
+    world: int,
 ) -> None:
     ours = _resume(tmp_path, "ours", saved[saved_by], resumed_by, world)
-    ddp = _resume(tmp_path, "ddp", saved["ddp"], "ddp", world)  # DDP's checkpoint, resumed by DDP
+    ddp = ddp_resumed[world]
     a, b = ours.summary, ddp.summary
     assert a["train_loss_per_epoch"] == pytest.approx(b["train_loss_per_epoch"], rel=1e-5)
     assert a["test_loss_per_epoch"] == pytest.approx(b["test_loss_per_epoch"], rel=1e-5)
