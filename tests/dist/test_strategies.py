@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtf.models.approximator import Approximator
 from tests.conftest import DtfRun, run_dtf
+from tests.helpers.embedding_lm import TinyGPT
 
 SGD = ["optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9", "trainer.max_epochs=2",
        "data.dataset.num_points=2400", "data.dataset.num_test=400"]
@@ -140,3 +142,54 @@ def test_mics_meta_init_gives_every_replica_of_a_shard_the_same_weights(runs_dir
                "strategy.meta_init=true", "model=deep_mlp", "trainer.max_steps=3", "data.dataset.num_points=1000",
                "data.dataset.num_test=100")
     assert run.summary["params_sha256_consistent"]
+
+
+# -- ZeRO stage 1: element-wise shards -------------------------------------------------------
+TINY_GPT = ["model._target_=embedding_lm.TinyGPT", "~model.in_features", "~model.hidden", "~model.out_features",
+            "data.dataset._target_=embedding_lm.successor_tokens", "~data.dataset.low", "~data.dataset.high",
+            "loss=cross_entropy"]
+MEMORY_MODELS = {
+    "approximator": ([], Approximator),  # one 100x100 weight holds 95% of it
+    "tiny_gpt": (TINY_GPT, TinyGPT),  # ~79% of it in the token embedding
+}
+ADAM_SHORT = ["optimizer=adam", "trainer.max_steps=2", "data.dataset.num_points=1000", "data.dataset.num_test=100",
+              "trainer.export_weights=false"]
+
+
+@pytest.fixture(scope="module")
+def ddp_memory(runs_dir: Path) -> dict[str, DtfRun]:
+    return {name: _run(runs_dir, f"mem1_ddp_{name}", *args, "launcher.nproc=2", *ADAM_SHORT)
+            for name, (args, _) in MEMORY_MODELS.items()}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("model", list(MEMORY_MODELS))
+def test_zero1_holds_one_nth_of_the_optimizer_state_on_every_rank(
+    runs_dir: Path, ddp_memory: dict[str, DtfRun], model: str, n: int
+) -> None:
+    args, build = MEMORY_MODELS[model]
+    params = list(build().parameters())  # a tied weight counts once, as the optimizer sees it
+    num_params = sum(p.numel() for p in params)
+    # DDP, fp32 Adam: 4 (param) + 4 (grad) + 8 (two moments) bytes per parameter, + a step counter per tensor
+    assert ddp_memory[model].summary["model_state_bytes"] == [16 * num_params + 4 * len(params)] * 2
+    run = _run(runs_dir, f"mem1_zero1_{model}_{n}", *STRATEGIES_2["zero1"], *args, f"launcher.nproc={n}", *ADAM_SHORT)
+    measured = _ratios(run, ddp_memory[model])
+    assert len(measured) == n
+    # Every rank: its parameters and gradients in full, 1/N of the moments. The tolerance covers
+    # the step counters (one per piece of a parameter) and the padding to a multiple of N.
+    assert measured == pytest.approx([(4 + 4 + 8 / n) / 16] * n, rel=1e-3), (model, n, measured)
+
+
+def test_zero1_keeps_param_groups_like_ddp(runs_dir: Path) -> None:
+    # nanoGPT's recipe as a user's optimizer factory: weight decay on matrices only, and another LR
+    # for biases and norms; SGD with momentum, so that a difference cannot hide.
+    groups = [*TINY_GPT, "optimizer=sgd", "optimizer._target_=embedding_lm.decay_matrices_only", "optimizer.lr=0.05",
+              "optimizer.momentum=0.9", "data.dataset.num_points=1280", "data.dataset.num_test=256",
+              "trainer.max_epochs=2", "launcher.nproc=2"]
+    settings = ["+optimizer.weight_decay=0.1", "+optimizer.no_decay_lr_factor=3.0"]
+    ddp = _run(runs_dir, "groups_ddp", *groups, *settings)
+    zero1 = _run(runs_dir, "groups_zero1", *STRATEGIES_2["zero1"], *groups, *settings)
+    _assert_same_training(zero1, ddp)
+    one_group = _run(runs_dir, "groups_none", *STRATEGIES_2["zero1"], *groups, "+optimizer.weight_decay=0.0")
+    # the groups' settings matter: without them the run ends elsewhere
+    assert one_group.summary["params_sha256"] != zero1.summary["params_sha256"]

@@ -1,0 +1,424 @@
+"""ZeRO stage 1: DDP averages the gradients; each rank steps one equal, element-wise slice of the
+parameters with the user's optimizer; the updated slices are all-gathered.
+
+As in DeepSpeed's stage 1, the parameters are laid out in one flat buffer (per dtype and
+device), padded to a multiple of the world size and cut into equal contiguous slices, one per
+rank. The model's parameters become views of that buffer, so the all-gather writes the new
+values straight into them. A slice crosses parameter boundaries: the part of one parameter
+inside it (a *piece*) is a 1-D view of the buffer, its gradient a view of the parameter's
+(already averaged) gradient. The local optimizer, the user's class with one group per user
+group and the same settings, steps the pieces: every rank holds 1/N of the optimizer state
+whatever the sizes of the parameters (ZeroRedundancyOptimizer assigns whole parameters to
+ranks, so one large embedding lands on one rank with all its state).
+
+Checkpoints have the structure torch.distributed.checkpoint.state_dict gives DDP: state keyed by
+parameter name, every group with its current settings and the names of all its parameters. A
+piece's state is a flat range of its parameter, i.e. a few rectangular blocks of the parameter's
+shape; each state tensor goes to DCP as a SlicedState, a tensor of the parameter's shape whose
+blocks are views of the local state, so DCP writes and reads them in place and reshards them
+from and to any world size or strategy. Scalar state (Adam's step) is the same on every rank and
+saved as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.optim import Optimizer
+
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+from dtf.strategy.base import OptimizerFactory, local_state_bytes, parameter_and_grad_bytes
+from dtf.strategy.ddp import DDPStrategy
+
+# Optimizers whose update of an element depends on other elements of the same parameter (factored
+# second moments, matrix orthogonalisation, line searches): a flat slice would change their math.
+_NOT_ELEMENT_WISE = tuple(
+    getattr(torch.optim, n) for n in ("LBFGS", "Adafactor", "SparseAdam", "Muon") if hasattr(torch.optim, n)
+)
+
+Block = tuple[list[int], list[int], int]  # offsets and sizes in the parameter's shape, start in the piece
+
+
+def flat_range_blocks(shape: tuple[int, ...], start: int, stop: int) -> list[Block]:
+    """Elements [start, stop) of a row-major tensor of this shape as rectangular blocks, in order:
+    a partial first row, whole rows, a partial last row (recursively for more dimensions)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [([], [], 0)]
+    inner = math.prod(shape[1:])
+    blocks: list[Block] = []
+
+    def in_row(i: int, a: int, b: int) -> list[Block]:
+        return [([i, *o], [1, *s], p) for o, s, p in flat_range_blocks(shape[1:], a, b)]
+
+    pos = start
+    if pos % inner:
+        row = pos // inner
+        end = min(stop, (row + 1) * inner)
+        blocks += [(o, s, p + pos - start) for o, s, p in in_row(row, pos - row * inner, end - row * inner)]
+        pos = end
+    whole_end = max(pos, stop // inner * inner)
+    if whole_end > pos:
+        blocks.append(([pos // inner] + [0] * (len(shape) - 1), [(whole_end - pos) // inner, *shape[1:]], pos - start))
+        pos = whole_end
+    if stop > pos:
+        row = pos // inner
+        blocks += [(o, s, p + pos - start) for o, s, p in in_row(row, 0, stop - row * inner)]
+    return blocks
+
+
+class SlicedState(torch.Tensor):
+    """A state tensor of a parameter as DCP sees it: the parameter's shape, of which this rank
+    holds some rectangular blocks (views of its local state). It implements DCP's checkpointable
+    protocol (__create_write_items__, __create_chunk_list__, __get_tensor_shard__) as DTensor and
+    torch's LocalShardsWrapper do: DCP writes the blocks and reads into them in place, and
+    dcp.async_save can stage a copy (new_empty, then the attributes). It supports nothing else."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    blocks: list[torch.Tensor]
+    offsets: list[torch.Size]
+
+    @staticmethod
+    def __new__(cls, size: torch.Size, blocks: list[torch.Tensor], offsets: list[torch.Size]) -> SlicedState:
+        r = torch.Tensor._make_wrapper_subclass(cls, size, dtype=blocks[0].dtype, device=blocks[0].device)
+        r.blocks, r.offsets = blocks, offsets
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        kwargs = kwargs or {}
+        self = args[0]
+        if func is torch.ops.aten.new_empty.default:
+            device = kwargs.get("device") or self.device
+            return cls(self.size(), [torch.empty_like(b, device=device) for b in self.blocks], self.offsets)
+        if func is torch.ops.aten.detach.default:
+            return self
+        raise NotImplementedError(f"{func} on a ZeRO-1 optimizer state slice (it only goes to checkpoints)")
+
+    def _properties(self) -> TensorProperties:
+        return TensorProperties.create_from_tensor(self.blocks[0])
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets, i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=block.size()),
+                    properties=self._properties(),
+                    size=self.size(),
+                ),
+            )
+            for i, (block, offsets) in enumerate(zip(self.blocks, self.offsets, strict=True))
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=b.size()) for b, o in zip(self.blocks, self.offsets, strict=True)]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for i, offsets in enumerate(self.offsets):
+            if offsets == index.offset:
+                return self.blocks[i]
+        raise ValueError(f"no block at {index.offset} of {index.fqn} on this rank")
+
+    def copy_into(self, local: torch.Tensor, piece: Piece) -> None:
+        """Its blocks into the local state of piece (nothing to do when they are views of it)."""
+        if self.offsets != [torch.Size(o) for o, _, _ in piece.blocks]:
+            raise ValueError(f"{piece.fqn}: a state slice of another layout")
+        for block, (_, _, pos) in zip(self.blocks, piece.blocks, strict=True):
+            target = local[pos : pos + block.numel()]
+            if target.data_ptr() != block.data_ptr():
+                target.copy_(block.reshape(-1))
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"SlicedState(size={tuple(self.size())}, blocks at {[tuple(o) for o in self.offsets]})"
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part of one parameter inside this rank's slice: elements [start, stop) of the
+    flattened parameter. tensor, a 1-D view of the flat buffer, is what the local optimizer steps."""
+
+    fqn: str
+    param: nn.Parameter
+    start: int
+    stop: int
+    tensor: torch.Tensor
+    blocks: list[Block]  # the same elements as blocks of the parameter's shape
+
+
+@dataclass(eq=False)
+class _FlatBuffer:
+    data: torch.Tensor  # every parameter of one dtype and device, padded to a multiple of the world size
+    mine: torch.Tensor  # this rank's equal slice of it
+    padding: int
+
+
+class ShardedOptimizer(Optimizer):
+    """The user's optimizer, stepped on this rank's slice of the parameters (see the module doc).
+
+    param_groups are the user's groups over the whole parameters: what LR schedulers and dtf
+    edit. Their settings are copied into the local optimizer's groups before every step and
+    every checkpoint. The state lives in `local`; save and load it with sharded_state_dict() and
+    load_sharded_state_dict() (Optimizer.state_dict would hold none of it)."""
+
+    def __init__(
+        self, template: Optimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.process_group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__([dict(g) for g in template.param_groups], dict(template.defaults))
+        self._names: dict[nn.Parameter, str] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p not in names:
+                    raise UserError(
+                        "optimizer._target_: the optimizer holds a tensor that is not a parameter of the model; "
+                        "build it over the parameters it is given"
+                    )
+                self._names[p] = names[p]
+        self._flat: list[_FlatBuffer] = []
+        self.pieces: list[Piece] = []
+        self._lay_out([p for g in self.param_groups for p in g["params"]])
+        in_group = [{id(p) for p in g["params"]} for g in self.param_groups]
+        local_groups = [
+            {**_settings(g), "params": [pc.tensor for pc in self.pieces if id(pc.param) in members]}
+            for g, members in zip(self.param_groups, in_group, strict=True)
+        ]
+        self.local = _same_class_over(template, local_groups)
+
+    def _lay_out(self, params: list[nn.Parameter]) -> None:
+        kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in params:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        n, r = self.world_size, self.rank
+        for (dtype, device), group in kinds.items():
+            numel = sum(p.numel() for p in group)
+            per_rank = -(-numel // n)
+            data = torch.zeros(per_rank * n, dtype=dtype, device=device)
+            mine_lo, mine_hi = r * per_rank, (r + 1) * per_rank
+            offset = 0
+            with torch.no_grad():
+                for p in group:
+                    size = p.numel()
+                    data[offset : offset + size].copy_(p.detach().reshape(-1))
+                    p.data = data[offset : offset + size].view(p.shape)
+                    lo, hi = max(offset, mine_lo), min(offset + size, mine_hi)
+                    if lo < hi:
+                        blocks = flat_range_blocks(tuple(p.shape), lo - offset, hi - offset)
+                        self.pieces.append(Piece(self._names[p], p, lo - offset, hi - offset, data[lo:hi], blocks))
+                    offset += size
+            self._flat.append(_FlatBuffer(data, data[mine_lo:mine_hi], per_rank * n - numel))
+
+    @property
+    def padding_bytes(self) -> int:
+        return sum(b.padding * b.data.element_size() for b in self._flat)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "local"):
+            raise NotImplementedError("ShardedOptimizer: parameters cannot be added after the layout is made")
+        super().add_param_group(param_group)
+
+    def _push_settings(self) -> None:
+        """The current settings of each group (what the scheduler set) into the local groups."""
+        for group, local in zip(self.param_groups, self.local.param_groups, strict=True):
+            local.update(_settings(group))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._push_settings()
+        for piece in self.pieces:
+            grad = piece.param.grad
+            if grad is not None and grad.is_sparse:
+                raise UserError(
+                    f"model: {piece.fqn} has a sparse gradient (nn.Embedding(sparse=True)); strategy=zero stage 1 "
+                    "shards dense gradients: make it dense, or use strategy=ddp"
+                )
+            piece.tensor.grad = None if grad is None else grad.reshape(-1)[piece.start : piece.stop]
+        try:
+            self.local.step()
+        finally:
+            for piece in self.pieces:
+                piece.tensor.grad = None
+        for buffer in self._flat:
+            dist.all_gather_single(buffer.data, buffer.mine, group=self.process_group)
+        return loss
+
+    def _materialise_state(self) -> None:
+        """The local state exists after the first step only, and a checkpoint loads into existing
+        tensors: step once with zero gradients and LR 0, as torch.distributed.checkpoint's
+        get_optimizer_state_dict does for a whole optimizer. The parameters do not change."""
+        if self.local.state or not self.pieces:
+            return
+        lrs = [g.get("lr") for g in self.local.param_groups]
+        for g in self.local.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for piece in self.pieces:
+            piece.tensor.grad = torch.zeros_like(piece.tensor)
+        try:
+            self.local.step()
+        finally:
+            for piece in self.pieces:
+                piece.tensor.grad = None
+            for g, lr in zip(self.local.param_groups, lrs, strict=True):
+                if lr is not None:
+                    g["lr"] = lr
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """{"state": {name: {key: value}}, "param_groups": [{settings..., "params": [names]}]}, as
+        get_optimizer_state_dict returns for DDP; this rank's state tensors as SlicedStates."""
+        self._push_settings()
+        self._materialise_state()
+        state: dict[str, Any] = {}
+        for piece in self.pieces:
+            entry = {
+                key: self._savable(piece, key, value) for key, value in self.local.state.get(piece.tensor, {}).items()
+            }
+            if entry:
+                state[piece.fqn] = entry
+        groups = [{**_settings(g), "params": [self._names[p] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def _savable(self, piece: Piece, key: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value  # the same on every rank that steps a piece of this parameter
+        if value.shape != piece.tensor.shape:
+            raise UserError(
+                f"optimizer._target_: {type(self.local).__name__} keeps state '{key}' of shape {tuple(value.shape)} "
+                f"for a slice of {piece.tensor.numel()} elements of {piece.fqn}: it is not element-wise, which "
+                "strategy=zero stage 1 needs; use strategy=ddp"
+            )
+        return SlicedState(
+            piece.param.shape,
+            [value[pos : pos + math.prod(sizes)].view(sizes) for _, sizes, pos in piece.blocks],
+            [torch.Size(offsets) for offsets, _, _ in piece.blocks],
+        )
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes over a state dict of sharded_state_dict()'s structure, after DCP loaded it in place
+        (its SlicedStates are views of the local state). Whole tensors of a parameter's shape (a
+        state dict of a whole optimizer) are sliced."""
+        saved_groups = state["param_groups"]
+        ours = [[self._names[p] for p in g["params"]] for g in self.param_groups]
+        if [list(g["params"]) for g in saved_groups] != ours:
+            raise UserError(
+                "checkpoint.resume: the checkpoint's optimizer groups hold other parameters than this run's "
+                "(optimizer._target_ groups them differently); resume with the optimizer that wrote it"
+            )
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update(_settings(saved))
+        for piece in self.pieces:
+            local = self.local.state[piece.tensor]
+            for key, value in state["state"].get(piece.fqn, {}).items():
+                if isinstance(value, SlicedState):
+                    value.copy_into(local[key], piece)
+                    continue
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value = value.reshape(-1)[piece.start : piece.stop]
+                if isinstance(value, torch.Tensor) and isinstance(local.get(key), torch.Tensor):
+                    if local[key] is not value:
+                        local[key].copy_(value)
+                else:
+                    local[key] = value
+        self._push_settings()
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("ShardedOptimizer: the state is sharded; use sharded_state_dict() (DCP)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("ShardedOptimizer: the state is sharded; use load_sharded_state_dict() (DCP)")
+
+
+def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _same_class_over(template: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
+    """The template's class over the local groups. The groups carry every setting; the
+    constructor gets the template's defaults it accepts (AdamW's defaults hold a key its
+    constructor does not take)."""
+    cls = type(template)
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in template.defaults.items() if takes_any or k in accepted}
+    try:
+        return cls(groups, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise UserError(
+            f"optimizer._target_: strategy=zero stage 1 rebuilds {cls.__name__} over each rank's slice as "
+            f"{cls.__name__}(param_groups, **defaults), which failed ({e}); use a torch.optim class"
+        ) from None
+
+
+def check_element_wise(cls: type[Optimizer]) -> None:
+    if issubclass(cls, _NOT_ELEMENT_WISE):
+        raise UserError(
+            f"optimizer._target_: {cls.__name__} updates an element from other elements of its parameter, but "
+            "strategy=zero stage 1 steps an element-wise slice of the parameters on each rank: use an element-wise "
+            "optimizer (SGD, Adam, AdamW, RMSprop, ...) or strategy=ddp"
+        )
+
+
+class Zero1Strategy(DDPStrategy):
+    """DDP for the gradients (no_sync, bucketing as configured) + ShardedOptimizer."""
+
+    name = "zero"
+
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
+        model = model.to(env.device)  # before the layout: a later move would copy the parameters out of it
+        template = optimizer_factory(model.parameters())  # the user's optimizer: class, groups, settings
+        if not isinstance(template, Optimizer):
+            raise UserError(
+                "optimizer._target_ must build a torch.optim.Optimizer from the parameters (with _partial_: true); "
+                f"it built a {type(template).__name__}"
+            )
+        check_element_wise(type(template))
+        sparse = [
+            type(m).__name__ for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+        ]
+        if sparse:
+            raise UserError(
+                f"model: {sparse[0]}(sparse=True) makes sparse gradients; strategy=zero stage 1 slices dense "
+                "gradients: build it with sparse=False, or use strategy=ddp"
+            )
+        optimizer = ShardedOptimizer(template, {p: name for name, p in model.named_parameters()})
+        del template  # its state, if its class makes any up front (Adagrad), would be the whole model's
+        wrapped, _ = super().setup(model, _no_optimizer, env)
+        return wrapped, optimizer
+
+    def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        return {"model": get_model_state_dict(model), "optim": _sharded(optimizer).sharded_state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        set_model_state_dict(model, state["model"])
+        _sharded(optimizer).load_sharded_state_dict(state["optim"])
+
+    def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
+        sharded = _sharded(optimizer)
+        return parameter_and_grad_bytes(model) + sharded.padding_bytes + local_state_bytes(sharded.local)
+
+
+def _no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
+    return None  # type: ignore[return-value]  # DDPStrategy.setup's optimizer: ShardedOptimizer replaces it
+
+
+def _sharded(optimizer: Optimizer) -> ShardedOptimizer:
+    assert isinstance(optimizer, ShardedOptimizer), type(optimizer)
+    return optimizer
