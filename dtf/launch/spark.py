@@ -188,9 +188,13 @@ class SparkLauncher(Launcher):
             # A rank that fails fails the run: no retry of the whole stage by Spark.
             "spark.task.maxFailures": "1",
             "spark.stage.maxConsecutiveAttempts": "1",
-            # More ranks than free task slots: fail in seconds, not after ~10 minutes of checks.
+            # More ranks than free task slots: fail in seconds, not after ~10 minutes of checks ...
             "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "2s",
             "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
+            # ... counted once the application's executors have registered (each is a JVM that takes
+            # seconds to start), not while they are still starting.
+            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
             "spark.pyspark.python": sys.executable,
             "spark.driver.extraJavaOptions": f"{java_options} {c.spark_conf.get('spark.driver.extraJavaOptions', '')}",
             # The user's modules (model/data _target_s) import on the executors as on the driver.
