@@ -1,6 +1,7 @@
 # Two commands set up a fresh machine (each creates .venv on first use):
 #   make run    the main job: python -m dtf on its default config (add ARGS="key=value ...")
 #   make test   lint + the whole test suite (what CI runs)
+#   make test-fast   lint + the tests that run in process (not marked slow): the loop while developing
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test lint bench clean-venv
+.PHONY: run test test-fast lint bench clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -82,5 +82,13 @@ def short_local_run(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     return run
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start real processes and clusters (tests/e2e, tests/dist) are slow by where they
+    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything."""
+    for item in items:
+        if {"e2e", "dist"} & set(Path(str(item.fspath)).relative_to(REPO).parts):
+            item.add_marker(pytest.mark.slow)
+
+
 # In-process tests import the helper modules the way a user's PYTHONPATH would expose them.
 sys.path.insert(0, str(HELPERS))
