@@ -15,13 +15,13 @@ and `pandas_dataset` write them once per test session (one Spark session for bot
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from dtf.data.prepare import spark_session
 
 HELLO_ROWS = 90
 HELLO_FILES = 4
@@ -73,26 +73,6 @@ def pandas_frame(file_index: int, first_id: int, rows: int) -> pd.DataFrame:
         }
     )
     return frame
-
-
-def spark_session() -> Any:
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("dtf-tests-user-data")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def write_hello_world(spark: Any, directory: Path) -> Path:
@@ -160,7 +140,7 @@ _SPARK_WRITTEN: dict[Path, tuple[Path, Path]] = {}
 def spark_datasets(base: Path) -> tuple[Path, Path]:
     """(hello_world, hive) under base, written on the first call (per base) of this test session."""
     if base not in _SPARK_WRITTEN:
-        spark = spark_session()
+        spark = spark_session("local[2]")  # a plain local session; the data are written by Spark itself
         try:
             _SPARK_WRITTEN[base] = (write_hello_world(spark, base / "hello_world"), write_hive(spark, base / "hive"))
         finally:
