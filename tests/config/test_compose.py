@@ -215,3 +215,18 @@ def test_the_readme_gives_the_spark_launchers_default_master() -> None:
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert f"`launcher.master` (default `{SparkLauncherConfig().master}`" in " ".join(readme.split())
+
+
+def test_the_readmes_resume_example_names_a_checkpoint_the_default_job_leaves() -> None:
+    import math
+    import re
+
+    cfg = make()
+    train = cfg.data.dataset.num_points - cfg.data.dataset.num_test
+    steps = cfg.trainer.max_epochs * math.ceil(train / (cfg.launcher.nproc * cfg.data.batch_size))
+    every, keep = cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last
+    left = {steps} | {s for s in range(every, steps + 1, every)}
+    left = set(sorted(left)[-keep:])
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    named = {int(n) for n in re.findall(r"checkpoints/step_(\d{9})", readme)}
+    assert named and named <= left, (named, left)
