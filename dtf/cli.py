@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,28 +18,18 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dtf import launch
-from dtf.config import store
 from dtf.config.validate import validate
 from dtf.errors import Interrupted, RankFailedError, UserError
-from dtf.launch.rank import rank_main
-from dtf.train.stop import EXIT_STOPPED
-
-EXIT_FAILED = 1
-EXIT_USER_ERROR = 2
-
-
-def _run_stamp() -> str:
-    """The default run directory's name: a timestamp, or under an external torchrun (or srun)
-    the run id (job and step) that all its ranks share, so they agree on one directory."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
-        return f"torchrun/{os.environ['TORCHELASTIC_RUN_ID']}"
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # tasks of one srun: one directory
-        return f"slurm/{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
-    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
-
-
-store.register()
-OmegaConf.register_new_resolver("dtf_stamp", _run_stamp, use_cache=True, replace=True)
+from dtf.rank import rank_main
+from dtf.results import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED_BASE,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    Finished,
+    RunResult,
+    Stopped,
+)
 
 
 def absolute_pythonpath() -> None:
@@ -51,8 +40,8 @@ def absolute_pythonpath() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(e) for e in entries if e)
 
 
-def run(cfg: DictConfig, run_dir: str) -> Any:
-    """Validate, freeze and launch one run; returns rank 0's summary. Callable without Hydra's CLI."""
+def run(cfg: DictConfig, run_dir: str) -> RunResult:
+    """Validate, freeze and launch one run. Callable without Hydra's command line."""
     absolute_pythonpath()
     validate(cfg)
     OmegaConf.resolve(cfg)
@@ -61,22 +50,22 @@ def run(cfg: DictConfig, run_dir: str) -> Any:
     return launcher.launch(rank_main, cfg, run_dir)
 
 
-def report_stop(result: dict[str, Any], run_dir: str) -> None:
+def report_stop(result: Stopped, run_dir: str) -> NoReturn:
     """A stop signal ended the run early: say where it stands and how to continue, exit EXIT_STOPPED."""
-    if result["checkpoint"]:
-        where = f"at step {result['step']}, saved {result['checkpoint']}"
+    if result.checkpoint:
+        where = f"at step {result.step}, saved {result.checkpoint}"
     else:
         where = "before its first checkpoint (a rerun starts from the beginning)"
     print(
-        f"dtf: stopped by {result['stopped_by']} {where}; continue with the same command and "
-        f"hydra.run.dir={run_dir} (exit status {EXIT_STOPPED})",
+        f"dtf: stopped by {result.signal or 'a stop signal (to another rank)'} {where}; continue with the same "
+        f"command and hydra.run.dir={run_dir} (exit status {EXIT_STOPPED})",
         file=sys.stderr,
         flush=True,
     )
     raise SystemExit(EXIT_STOPPED)
 
 
-def report_interrupt(e: Interrupted, run_dir: str) -> None:
+def report_interrupt(e: Interrupted, run_dir: str) -> NoReturn:
     """A signal that is not a stop request ended the run: say so, never as a clean stop (exit
     75 invites a requeue), and exit as a process killed by that signal would (128 + n)."""
     if e.checkpoint:
@@ -87,7 +76,7 @@ def report_interrupt(e: Interrupted, run_dir: str) -> None:
     else:
         where = "no checkpoint was written"
     print(f"dtf: interrupted by {e.signal_name}; the ranks were stopped; {where}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signal.Signals[e.signal_name].value)
+    raise SystemExit(EXIT_INTERRUPTED_BASE + signal.Signals[e.signal_name].value)
 
 
 class RunDirCheck(Callback):
@@ -129,9 +118,10 @@ def _hydra_main(cfg: DictConfig) -> Any:
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
-    if isinstance(result, dict) and "stopped_by" in result:
+    if isinstance(result, Stopped):
         report_stop(result, run_dir)
-    return result
+    # Hydra keeps what the task returns (a sweep's JobReturn): the summary, or the job id submitted.
+    return result.summary if isinstance(result, Finished) else result.job_id
 
 
 def main() -> None:

@@ -18,13 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dtf import failures
 from dtf import strategy as strategies
 from dtf.data import loader
 from dtf.dist import env as dist_env
-from dtf.errors import UserError, user_error_in
-from dtf.launch.failures import EXIT_USER_ERROR, previous_attempt_failure, record_user_error
+from dtf.errors import UserError
+from dtf.results import Finished, RunResult, Stopped
 from dtf.train import schedule
-from dtf.train.checkpoint import Checkpointer, attempt_number, choose_start
+from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
 from dtf.train.loss import TargetsLikeOutput
@@ -56,9 +57,9 @@ def build_model(cfg: DictConfig) -> nn.Module:
     return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
 
 
-def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
-    """Entry point of one rank. Returns the run summary on rank 0, None elsewhere; a run ended
-    early by a stop signal returns stopped_report() on every rank instead."""
+def worker_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
+    """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
+    when a stop signal ended the run early."""
     for key, value in cfg.launcher.get("env", {}).items():
         os.environ.setdefault(str(key), str(value))
     limit_threads()
@@ -67,25 +68,12 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
     t = cfg.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
-    summary = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)), stop_request)
+    result = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)), stop_request)
     stop_request.restore()
     # Only on success: after an error the group must stay up until the error is recorded, or the
     # peers see "connection closed" first and the report blames the wrong rank.
     dist_env.destroy()
-    return summary
-
-
-def spawned_rank_main(cfg: DictConfig, run_dir: str) -> dict[str, Any] | None:
-    """worker_main for a process a launcher spawned: a UserError becomes one recorded line and
-    exit code 2 (no traceback), which the launcher reports for the rank."""
-    try:
-        return worker_main(cfg, run_dir)
-    except Exception as e:
-        user_error = user_error_in(e)  # also when a _target_ raised it (Hydra wraps it)
-        if user_error is None:
-            raise
-        record_user_error(user_error)
-        raise SystemExit(EXIT_USER_ERROR) from None
+    return result
 
 
 def label_source(data: DictConfig) -> str:
@@ -97,7 +85,7 @@ def label_source(data: DictConfig) -> str:
 
 def train(
     cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest | None = None
-) -> dict[str, Any] | None:
+) -> RunResult | None:
     t = cfg.trainer
     if t.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
@@ -157,7 +145,7 @@ def train(
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = (
-        choose_start(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir, attempt_number())
+        choose_start(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir, dist_env.attempt_number())
         if env.is_main
         else (None, None)
     )
@@ -173,7 +161,7 @@ def train(
         where = f"resuming from step {trainer.state.step}" if resume is not None else "starting over (no checkpoint)"
         print(
             f"dtf: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (launcher.max_restarts): "
-            f"{previous_attempt_failure()}; {where}",
+            f"{previous_failure(run_dir, restart)}; {where}",
             flush=True,
         )
     if env.is_main:
@@ -194,11 +182,9 @@ def train(
     if trainer.stopped_at_step is not None:
         assert trainer.checkpointer is not None
         tb.close()  # what was logged so far is kept; the resumed run appends to the same run dir
-        return stopped_report(
-            stop_request.signal_name if stop_request else None,
-            trainer.stopped_at_step,
-            trainer.checkpointer.path_of(trainer.stopped_at_step),
-        )
+        step = trainer.stopped_at_step
+        signal_name = stop_request.signal_name if stop_request else None
+        return Stopped(signal_name, step, str(trainer.checkpointer.path_of(step)))
     # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
     state = strategy.full_state_dict(trainer.model)
     summary = trainer.summary(run_dir, state)
@@ -246,12 +232,15 @@ def train(
         f"summary {run_dir / SUMMARY_FILE}",
         flush=True,
     )
-    return summary
+    return Finished(summary)
 
 
-def stopped_report(signal_name: str | None, step: int, checkpoint: Path) -> dict[str, Any]:
-    """What a rank returns when a stop signal ended the run: the launcher exits with EXIT_STOPPED."""
-    return {"stopped_by": signal_name or "a stop signal (to another rank)", "step": step, "checkpoint": str(checkpoint)}
+def previous_failure(run_dir: Path, attempt: int) -> str:
+    """Which rank failed in the attempt before this one (a restart's reason), from its record."""
+    failure = failures.first(run_dir, attempt - 1)
+    if failure is None:
+        return "a rank died without an error of its own (killed by a signal?)"
+    return f"rank {failure.rank} failed ({failure.message})"
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

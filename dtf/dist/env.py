@@ -30,6 +30,16 @@ class DistEnv:
         return self.rank == 0
 
 
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def attempt_number() -> int:
+    """0 on a run's first attempt; the restart count when torch elastic restarted the ranks
+    (launcher.max_restarts, torchrun) or SLURM requeued the job."""
+    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+
+
 def launched_externally() -> bool:
     """True when torchrun (or any launcher speaking its protocol) already started us as a rank."""
     return all(v in os.environ for v in _TORCHRUN_VARS)
@@ -52,7 +62,7 @@ def pick_backend(backend: str, device: torch.device) -> str:
 
 
 def init(device: str = "auto", backend: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = rank_from_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)

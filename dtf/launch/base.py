@@ -8,7 +8,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-# worker_main(cfg, run_dir) -> rank 0's summary (None on other ranks)
+from dtf.errors import RankFailedError
+from dtf.results import Finished, RunResult, Stopped
+
+# dtf.rank.rank_main(cfg, run_dir) -> rank 0's result (None on other ranks)
 WorkerFn = Callable[[DictConfig, str], Any]
 
 
@@ -17,5 +20,13 @@ class Launcher(ABC):
         self.cfg = cfg
 
     @abstractmethod
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
-        """Run fn(cfg, run_dir) on every rank; return rank 0's result or raise RankFailedError."""
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+        """Run fn(cfg, run_dir) on every rank; return how the run ended (rank 0's result), or raise
+        the error of the rank that failed first (dtf.failures)."""
+
+
+def rank_result(result: Any) -> Finished | Stopped:
+    """Rank 0's return value, which every launcher hands back as it is."""
+    if not isinstance(result, Finished | Stopped):
+        raise RankFailedError(f"rank 0 ended without a result ({result!r})")
+    return result

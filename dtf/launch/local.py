@@ -18,24 +18,24 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from dtf import failures
 from dtf.dist import env as dist_env
-from dtf.errors import Interrupted, RankFailedError
-from dtf.launch.base import Launcher, WorkerFn
-from dtf.launch.failures import describe_failure
+from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.results import RunResult, Stopped
 
 
 class LocalLauncher(Launcher):
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         if dist_env.launched_externally():
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.
-            return fn(cfg, run_dir)
+            return rank_result(fn(cfg, run_dir))
         nproc = self.cfg.nproc
         stop_signals = list(cfg.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}
@@ -72,6 +72,7 @@ class LocalLauncher(Launcher):
             logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         start_resource_tracker_ignoring(stop_signals)
+        failures.clear(run_dir)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
@@ -80,17 +81,33 @@ class LocalLauncher(Launcher):
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
                 # ranks still starting up die of the signal (their handler is not installed yet)
-                return newest_checkpoint_report(forwarding.received, checkpoints)
-            raise RankFailedError(describe_failure(e, run_dir)) from None
+                return newest_checkpoint(forwarding.received, checkpoints)
+            raise failed_rank(e, run_dir) from None
         except SignalException as e:
             if forwarding.twice:  # a second stop signal: the agent killed the ranks
-                return newest_checkpoint_report(f"{forwarding.received} (twice)", checkpoints)
+                return newest_checkpoint(f"{forwarding.received} (twice)", checkpoints)
             # Ctrl-C, SIGHUP, ... (or SIGTERM when it is not a stop signal): the agent stopped the ranks
-            newest = newest_checkpoint_report(signal.Signals(e.sigval).name, checkpoints)
-            raise Interrupted(newest["stopped_by"], newest["checkpoint"], newest["step"]) from None
+            newest = newest_checkpoint(signal.Signals(e.sigval).name, checkpoints)
+            raise Interrupted(signal.Signals(e.sigval).name, newest.checkpoint, newest.step) from None
         finally:
             forwarding.restore()
-        return results.get(0)
+        return rank_result(results.get(0))
+
+
+def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
+    """The error of the rank that failed first. A rank killed by a signal records nothing and counts
+    as first (its peers' errors are the consequence); otherwise the oldest record (dtf.failures)."""
+    killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0)
+    first = failures.first(run_dir)
+    logs = {r: os.path.dirname(f.error_file) if os.path.isabs(f.error_file) else "" for r, f in e.failures.items()}
+    if killed:
+        rank = killed[0]
+        name = signal.Signals(-e.failures[rank].exitcode).name
+        return RankFailedError(f"rank {rank} failed: killed by signal {name} (its logs: {logs[rank] or run_dir})")
+    if first is not None:
+        return failures.report(first, logs.get(first.rank) or f"{run_dir}/logs")
+    rank, failure = min(e.failures.items())
+    return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} (its logs: {logs[rank] or run_dir})")
 
 
 @contextlib.contextmanager
@@ -142,15 +159,15 @@ def died_of(e: ChildFailedError, signal_name: str) -> bool:
     return all(failure.exitcode == -signum for failure in e.failures.values())
 
 
-def newest_checkpoint_report(signal_name: str, checkpoint_root: Path) -> dict[str, Any]:
-    """The stop report when the ranks could not give theirs: what is on disk is what counts."""
+def newest_checkpoint(signal_name: str, checkpoint_root: Path) -> Stopped:
+    """Where a run stands when the ranks could not say so themselves: what is on disk counts."""
     from dtf.train.checkpoint import MARKER, committed  # only on this path: it loads torch.distributed.checkpoint
 
     newest = committed(checkpoint_root)[:1]
     if not newest:
-        return {"stopped_by": signal_name, "step": None, "checkpoint": None}
+        return Stopped(signal_name, None, None)
     step = int(json.loads((newest[0] / MARKER).read_text())["step"])
-    return {"stopped_by": signal_name, "step": step, "checkpoint": str(newest[0])}
+    return Stopped(signal_name, step, str(newest[0]))
 
 
 class StopForwarding:

@@ -26,17 +26,16 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dtf.errors import RankFailedError, UserError, user_error_in
-from dtf.launch.base import Launcher, WorkerFn
-from dtf.launch.failures import EXIT_USER_ERROR
-from dtf.train.stop import EXIT_STOPPED
+from dtf import failures
+from dtf.errors import RankFailedError, UserError
+from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
 
 JOB_FOLDER = "slurm"  # under the run dir: sbatch script, pickles, every task's stdout/stderr
 # Inside an allocation, in JOB_FOLDER: what every task of the srun step runs, and each task's outcome.
@@ -58,11 +57,11 @@ class SlurmRank:
     def __init__(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> None:
         self.fn, self.cfg, self.run_dir = fn, cfg, run_dir
 
-    def __call__(self) -> dict[str, Any] | None:
+    def __call__(self) -> RunResult | None:
         return run_as_task(self.fn, self.cfg, self.run_dir, requeue=bool(self.cfg.launcher.requeue))
 
 
-def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> dict[str, Any] | None:
+def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> RunResult | None:
     """One SLURM task = one rank, in this process."""
     import submitit
 
@@ -70,18 +69,12 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> d
     dist = submitit.helpers.TorchDistributedEnvironment()
     # GPUs: SLURM's --gpus-per-task (or the local rank) picks the device, not CUDA_VISIBLE_DEVICES.
     dist.export(set_cuda_visible_devices=False, overwrite=True)
-    try:
-        result = fn(cfg, run_dir)
-    except Exception as e:
-        user_error = user_error_in(e)
-        if user_error is None:
-            raise
-        return {"user_error": str(user_error)}  # reaches the driver as one line, through submitit's result file
-    if requeue and isinstance(result, dict) and "stopped_by" in result:
+    result = fn(cfg, run_dir)  # a failure is recorded for the driver (dtf.failures) and ends the task
+    if requeue and isinstance(result, Stopped):
         if dist.rank == 0:
             # As submitit does on preemption; the requeued job finds the checkpoint in the same run dir.
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
-            print(f"dtf: stopped at step {result['step']}; requeued SLURM job {os.environ['SLURM_JOB_ID']}", flush=True)
+            print(f"dtf: stopped at step {result.step}; requeued SLURM job {os.environ['SLURM_JOB_ID']}", flush=True)
         # No result file is written: the driver keeps waiting, for the requeued job's.
         raise SystemExit(EXIT_STOPPED)
     return result
@@ -89,8 +82,8 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> d
 
 def srun_task_main() -> None:
     """What every task of an in-allocation srun step runs (`python -c ... <task file>`): the rank
-    function and the config the driver resolved, loaded from the task file; the outcome goes to a
-    result file next to it, where the driver reads it."""
+    function and the config the driver resolved, loaded from the task file; the result goes to a
+    file next to it, where the driver reads it (a failure is recorded by the rank function)."""
     from submitit.core.utils import cloudpickle_dump, pickle_load, temporary_save_path
 
     task_file = Path(sys.argv[1])
@@ -103,29 +96,26 @@ def srun_task_main() -> None:
         os.environ["MASTER_PORT"] = str(random.Random(step).randint(20000, 60000))
     result_file = task_file.parent / STEP_RESULT_FILE.format(rank=rank)
 
-    def report(outcome: tuple[str, Any]) -> None:
-        with temporary_save_path(result_file) as tmp:  # whole or not at all: srun may kill this task
-            cloudpickle_dump(outcome, tmp)
-
     try:
         result = run_as_task(fn, cfg, run_dir, requeue=False)
     except Exception:
-        report(("error", traceback.format_exc()))
-        raise
-    report(("success", result))
-    if isinstance(result, dict) and "user_error" in result:
-        raise SystemExit(EXIT_USER_ERROR)  # srun ends the other tasks (--kill-on-bad-exit)
+        # Recorded already (dtf.failures); the driver prints it once. This task's output is the
+        # terminal's, so no second traceback here: a non-zero exit, and srun ends the other tasks.
+        raise SystemExit(1) from None
+    with temporary_save_path(result_file) as tmp:  # whole or not at all: srun may kill this task
+        cloudpickle_dump(result, tmp)
 
 
 class SlurmLauncher(Launcher):
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         if inside_srun_task():
-            return run_as_task(fn, cfg, run_dir, requeue=False)  # the user's srun owns the job
+            return rank_result(run_as_task(fn, cfg, run_dir, requeue=False))  # the user's srun owns the job
+        failures.clear(run_dir)
         if inside_allocation():
             return self._srun_in_allocation(fn, cfg, run_dir)
         return self._submit(fn, cfg, run_dir)
 
-    def _srun_in_allocation(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+    def _srun_in_allocation(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         """The ranks as one srun step of the allocation this driver runs in. They get the config
         as it was resolved here (pickled in the run dir), never this process's command line."""
         from submitit.core.utils import cloudpickle_dump
@@ -150,7 +140,7 @@ class SlurmLauncher(Launcher):
             str(task_file),
         ]
         code = subprocess.call(cmd)
-        return step_result(folder, tasks, code)
+        return step_result(folder, run_dir, code)
 
     def _executor(self, run_dir: str) -> Any:
         import submitit
@@ -183,11 +173,14 @@ class SlurmLauncher(Launcher):
             slurm_signal_delay_s=c.signal_delay_s,
             slurm_additional_parameters=extra,
             slurm_setup=[f"export SUBMITIT_PREEMPT_SIGNAL={signal_name}", *c.setup],
+            # A rank that fails (its error recorded for the driver) ends the job's other tasks at once,
+            # instead of leaving them waiting in a collective until trainer.dist_timeout_s.
+            slurm_srun_args=["--kill-on-bad-exit=1"],
             **({"mem_gb": c.mem_gb} if c.mem_gb else {}),
         )
         return executor
 
-    def _submit(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+    def _submit(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         import submitit
 
         logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
@@ -201,7 +194,7 @@ class SlurmLauncher(Launcher):
         tasks = (self.cfg.nodes * self.cfg.tasks_per_node, self.cfg.tasks_per_node)
         if in_sweep():  # every point is submitted first; SweepJobs waits for them all at the end
             SUBMITTED.append((job, run_dir, *tasks))
-            return {"slurm_job_id": job.job_id, "submitted": True}
+            return Submitted(job.job_id)
         if not self.cfg.wait:
             from submitit.core.utils import JobPaths
 
@@ -211,7 +204,7 @@ class SlurmLauncher(Launcher):
                 f"follow it with `squeue -j {job.job_id}` and `tail -f {rank0_log}`",
                 flush=True,
             )
-            return {"slurm_job_id": job.job_id, "submitted": True}
+            return Submitted(job.job_id)
         return wait_for(job, run_dir, *tasks)
 
 
@@ -235,12 +228,13 @@ class SweepJobs(Callback):
         while SUBMITTED:
             job, run_dir, tasks, tasks_per_node = SUBMITTED.pop(0)
             try:
-                summary = wait_for(job, run_dir, tasks, tasks_per_node, stream=False)
-                print(
-                    f"dtf: SLURM job {job.job_id} done: final train loss {summary['final_train_loss']:.6g}; "
-                    f"summary {Path(run_dir) / 'summary.json'}",
-                    flush=True,
-                )
+                result = wait_for(job, run_dir, tasks, tasks_per_node, stream=False)
+                if isinstance(result, Finished):
+                    loss = result.summary["final_train_loss"]
+                    done = f"final train loss {loss:.6g}; summary {Path(run_dir) / 'summary.json'}"
+                else:
+                    done = f"stopped at step {result.step}"
+                print(f"dtf: SLURM job {job.job_id} done: {done}", flush=True)
             except UserError as e:
                 failed += 1
                 print(f"dtf: error: {e}", file=sys.stderr, flush=True)
@@ -286,7 +280,7 @@ def job_state(job_id: str) -> tuple[str, str] | None:
 LEAVE_QUEUE_S = 120.0
 
 
-def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Any:
+def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Finished | Stopped:
     """Streams rank 0's output while the job runs (through requeues), then returns its result once
     the job has left the queue: not while it still runs or is COMPLETING, so that whoever comes next
     (another job, `scripts/local-slurm.sh stop`) finds the node free."""
@@ -329,43 +323,29 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
         time.sleep(0.2 if have_results else 1.0)
     if stream:
         _print_new(paths[0].stdout, shown)
-    logs = Path(run_dir) / JOB_FOLDER
-    outcomes = [pickle_load(p.result_pickle) if p.result_pickle.exists() else None for p in paths]
-    results = []
-    for task, outcome in enumerate(outcomes):
-        if outcome is None:
-            raise RankFailedError(
-                f"SLURM job {job.job_id} ended ({(job_state(job.job_id) or ('gone',))[0]}) without a result from rank "
-                f"{task}: see {paths[task].stderr}"
-            )
-        kind, value = outcome
-        if kind == "error":
-            raise RankFailedError(f"rank {task} failed in SLURM job {job.job_id}: {_last_line(value)} (logs: {logs})")
-        if isinstance(value, dict) and "user_error" in value:
-            raise UserError(value["user_error"])
-        results.append(value)
-    return results[0]
+    first = failures.first(run_dir)
+    if first is not None:  # a rank failed (and srun --kill-on-bad-exit ended the others)
+        raise failures.report(first, str(paths[first.rank].stderr))
+    outcome = pickle_load(paths[0].result_pickle) if paths[0].result_pickle.exists() else None
+    if outcome is None or outcome[0] != "success":
+        ended = (job_state(job.job_id) or ("gone",))[0]
+        raise RankFailedError(
+            f"SLURM job {job.job_id} ended ({ended}) without a result from rank 0: see {paths[0].stderr}"
+        )
+    return rank_result(outcome[1])
 
 
-def step_result(folder: Path, tasks: int, code: int) -> Any:
-    """Rank 0's result of an in-allocation srun step (its tasks' result files, srun's exit code)."""
+def step_result(folder: Path, run_dir: str, code: int) -> RunResult:
+    """Rank 0's result of an in-allocation srun step (its result file, srun's exit code)."""
     from submitit.core.utils import pickle_load
 
-    job = os.environ["SLURM_JOB_ID"]
-    files = [folder / STEP_RESULT_FILE.format(rank=rank) for rank in range(tasks)]
-    outcomes = {rank: pickle_load(f) for rank, f in enumerate(files) if f.exists()}
-    for kind, value in outcomes.values():
-        if kind == "success" and isinstance(value, dict) and "user_error" in value:
-            raise UserError(value["user_error"])
-    errors = [rank for rank, (kind, _) in outcomes.items() if kind == "error"]
-    if errors:  # the first to fail is the cause; the others' errors (a lost peer) its consequence
-        rank = min(errors, key=lambda r: files[r].stat().st_mtime_ns)
-        raise RankFailedError(
-            f"rank {rank} failed in SLURM allocation {job}: {_last_line(outcomes[rank][1])} (srun exit code {code})"
-        )
-    if code or 0 not in outcomes:
-        raise RankFailedError(f"srun in allocation {job} failed with exit code {code}")
-    return outcomes[0][1]
+    first = failures.first(run_dir)
+    if first is not None:
+        raise failures.report(first)  # the tasks' output went to this terminal
+    result_file = folder / STEP_RESULT_FILE.format(rank=0)
+    if code or not result_file.exists():
+        raise RankFailedError(f"srun in allocation {os.environ['SLURM_JOB_ID']} failed with exit code {code}")
+    return rank_result(pickle_load(result_file))
 
 
 def _print_new(path: Path, shown: int) -> int:
@@ -380,8 +360,3 @@ def _print_new(path: Path, shown: int) -> int:
             sys.stdout.write(line)
     sys.stdout.flush()
     return max(shown, complete)
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no message"

@@ -6,12 +6,13 @@ kills the others, so a failed rank never leaves the rest waiting in a collective
 one rank: rank = partition id; rank 0's host and a free port it picks (shared with allGather)
 are the rendezvous. Each rank writes its output to <run_dir>/logs/spark/rank_<r>.log (the run
 dir must be on storage the executors share); the driver streams rank 0's log and returns its result.
+A rank that fails records why (dtf.failures) before Spark stops the stage; the driver blames the
+rank that failed first, not the peer whose error Spark happens to report.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -27,35 +28,17 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
-from dtf.errors import RankFailedError, UserError, user_error_in
-from dtf.launch.base import Launcher, WorkerFn
+from dtf import failures
+from dtf.errors import RankFailedError, UserError
+from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.results import RunResult
 
 LOG_DIR = "logs/spark"
 _LOG4J = Path(__file__).with_name("spark_conf") / "log4j2.properties"
-_USER_ERROR = "DTF_USER_ERROR: "
 
 
 def _log_path(run_dir: str, rank: int) -> Path:
     return Path(run_dir) / LOG_DIR / f"rank_{rank}.log"
-
-
-def _error_path(run_dir: str, rank: int) -> Path:
-    return Path(run_dir) / LOG_DIR / f"rank_{rank}.error.json"
-
-
-def _first_rank_error(run_dir: str) -> UserError | None:
-    """The error of the rank that failed first, from the files the ranks wrote as they failed."""
-    found = []
-    for path in (Path(run_dir) / LOG_DIR).glob("rank_*.error.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            record = json.loads(path.read_text())
-            found.append((int(record["time_ns"]), int(path.name.split("_")[1].split(".")[0]), record))
-    if not found:
-        return None
-    _, rank, record = min(found)
-    if record["user_error"]:
-        return UserError(record["message"])
-    return RankFailedError(f"rank {rank} failed: {record['message']} (its log: {_log_path(run_dir, rank)})")
 
 
 @contextlib.contextmanager
@@ -101,25 +84,8 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
         MASTER_ADDR=hosts[0],
         MASTER_PORT=port,
     )
-    error_file = _error_path(run_dir, rank)
-    error_file.unlink(missing_ok=True)
     with _output_to(_log_path(run_dir, rank)):
-        try:
-            result = fn(cfg, run_dir)
-        except Exception as e:
-            user_error = user_error_in(e)
-            # When it failed, and why: the driver blames the rank that failed first, not a peer
-            # that only saw it go ("connection closed by peer"), whichever Spark reports.
-            message = (
-                str(user_error) if user_error else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            )
-            error_file.write_text(
-                json.dumps({"time_ns": time.time_ns(), "user_error": bool(user_error), "message": message})
-            )
-            if user_error is None:
-                raise
-            # Fails the task (so Spark stops the other ranks) with a message the driver recognises.
-            raise RuntimeError(_USER_ERROR + str(user_error)) from None
+        result = fn(cfg, run_dir)  # a failure is recorded (dtf.failures) and fails the task, so Spark ends the stage
     if rank == 0:
         yield result
 
@@ -152,11 +118,12 @@ def _check_master_reachable(master: str) -> None:
 
 
 class SparkLauncher(Launcher):
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> Any:
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         c = self.cfg
         require_java("launcher=spark")
         _check_master_reachable(c.master)
         spark = self._session(run_dir)
+        failures.clear(run_dir)
         rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()
         stop_tail = threading.Event()
         tail = threading.Thread(target=_tail, args=(_log_path(run_dir, 0), stop_tail), daemon=True)
@@ -168,7 +135,7 @@ class SparkLauncher(Launcher):
         finally:
             stop_tail.set()
             tail.join()
-        return results[0] if results else None
+        return rank_result(results[0] if results else None)
 
     def _session(self, run_dir: str) -> Any:
         from pyspark.sql import SparkSession
@@ -227,13 +194,10 @@ def _tail(path: Path, stop: threading.Event) -> None:
 
 
 def _failure(e: Exception, run_dir: str) -> UserError:
-    first = _first_rank_error(run_dir)
+    first = failures.first(run_dir)
     if first is not None:
-        return first
+        return failures.report(first, str(_log_path(run_dir, first.rank)))
     text = str(e)
-    user = re.search(re.escape(_USER_ERROR) + r"(.*)", text)
-    if user:
-        return UserError(user.group(1).strip())
     if "requires more slots than the total number of slots" in text or "SPARK-24819" in text:
         return UserError(
             "launcher.nproc is more than the Spark cluster's free task slots (a barrier stage needs them all "

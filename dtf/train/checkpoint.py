@@ -409,12 +409,6 @@ def resolve_resume(setting: str, root: Path) -> Path | None:
     return path
 
 
-def attempt_number() -> int:
-    """0 on a run's first attempt; the restart count when torch elastic restarted the ranks
-    (launcher.max_restarts, torchrun) or SLURM requeued the job."""
-    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("SLURM_RESTART_COUNT", "0")))
-
-
 def choose_start(setting: str, root: Path, attempt: int) -> tuple[Path | None, str | None]:
     """The checkpoint a run starts from, and a note for the user. One rule for a run directory:
     a restart or requeue (attempt > 0) always continues this run from its newest checkpoint, whatever

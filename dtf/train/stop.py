@@ -1,7 +1,7 @@
 """Stop requests by signal: what SLURM (and schedulers like it) send before preemption or the
 time limit. A handler only records the request; the training loop acts on it at a step
 boundary that all ranks agree on (dtf.train.control), saves one checkpoint and ends the
-run with EXIT_STOPPED, which a launcher can turn into a requeue.
+run with exit status 75 (dtf.results.EXIT_STOPPED), which a launcher can turn into a requeue.
 
 Standard library only: the driver imports it to validate and to report.
 """
@@ -12,8 +12,6 @@ import signal
 import threading
 from types import FrameType
 
-# EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
-EXIT_STOPPED = 75
 STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 

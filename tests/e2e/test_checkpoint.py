@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtf.results import EXIT_STOPPED
 from dtf.train.checkpoint import MARKER, committed, is_complete
-from dtf.train.stop import EXIT_STOPPED
 from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.

@@ -182,11 +182,13 @@ def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-un
         (["data.dataset._target_=user_models.one_sample"], "data.dataset has 1 training samples for 2 ranks"),
         # raised inside a _target_, which Hydra's instantiate wraps in its own exception
         (["data.dataset.num_points=2000"], "data.dataset.num_test=2000 must be between 1 and num_points-1"),
+        # raised on one rank only, in the middle of training
+        (["model._target_=user_models.FailingModel", "+model.how=user_error"], "model.fail_rank=1: injected bad"),
     ],
 )
 def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
     run = dtf(*args)
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr  # bad input, wherever it is found (as on the driver)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {message}"), run.stderr
 

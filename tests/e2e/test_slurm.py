@@ -185,12 +185,26 @@ def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tm
     assert summaries[0]["slurm_job_id"] == summaries[1]["slurm_job_id"]  # both in the one allocation
 
 
-def test_a_rank_failing_inside_an_allocation_is_named_in_one_line(tmp_path: Path) -> None:
-    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", "launcher=slurm"]
-    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"])
-    assert run.returncode == 1, run.stderr[-3000:]
+@pytest.mark.parametrize(
+    ("how", "code", "said"),
+    [
+        ("raise", 1, "rank 1 failed: RuntimeError: injected failure on rank 1"),
+        ("user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)"),
+    ],
+)
+@pytest.mark.parametrize("where", ["submitted", "in an allocation"])
+def test_a_rank_failing_under_slurm_is_named_in_one_line(
+    tmp_path: Path, where: str, how: str, code: int, said: str
+) -> None:
+    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", f"+model.how={how}", "launcher=slurm"]
+    prefix = ["salloc", "-n", "2", sys.executable, "-m", "dtf"] if where == "in an allocation" else None
+    t0 = time.monotonic()
+    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=prefix)
+    assert run.returncode == code, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("dtf: error:")]
-    assert len(errors) == 1 and "rank 1 failed" in errors[0] and "injected failure on rank 1" in errors[0], errors
+    assert len(errors) == 1 and errors[0].startswith(f"dtf: error: {said}"), run.stderr[-3000:]
+    assert run.stderr.count("Traceback (most recent call last)") == (1 if how == "raise" else 0), run.stderr
+    assert time.monotonic() - t0 < 120  # the other task was ended, not left waiting in a collective
 
 
 # A model whose rank process takes seconds to exit after its result is written (as a process

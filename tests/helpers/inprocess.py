@@ -29,9 +29,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def train_in_process(overrides: list[str], run_dir: Path) -> dict[str, Any] | None:
-    """worker.train on a process group of one; returns the summary (or the stop report)."""
+def train_in_process(overrides: list[str], run_dir: Path) -> Any:
+    """worker.train on a process group of one; returns the summary, or the Stopped result."""
     from dtf.dist import env as dist_env
+    from dtf.results import Finished
     from dtf.worker import train
 
     cfg = compose_config(overrides)
@@ -39,7 +40,8 @@ def train_in_process(overrides: list[str], run_dir: Path) -> dict[str, Any] | No
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dist_env.init("cpu", "gloo", 60.0)
     try:
-        return train(cfg, env, run_dir)
+        result = train(cfg, env, run_dir)
+        return result.summary if isinstance(result, Finished) else result
     finally:
         dist_env.destroy()
         for key, value in saved.items():  # init sets MASTER_ADDR/PORT: leave the environment as it was

@@ -14,12 +14,12 @@ from torch.utils.data import TensorDataset
 
 class FailingModel(nn.Module):
     """Fails on one rank at its n-th forward (training and evaluation calls both count):
-    how = "raise", "kill" (dies of SIGKILL), "SIG<NAME>" (sends itself that signal) or
-    "agent:SIG<NAME>" (sends it to its parent, the launcher's agent). With raise_after_signal,
-    a rank that sent a signal raises at its next forward (a crash after a stop request). With
-    first_attempt_only, only the first attempt fails (a restarted run goes through). Every
-    forward sleeps delay_s (after a signal at least 50 ms), so that outside events can land in
-    the middle of a run."""
+    how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of SIGKILL), "SIG<NAME>"
+    (sends itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
+    With raise_after_signal, a rank that sent a signal raises at its next forward (a crash after a
+    stop request). With first_attempt_only, only the first attempt fails (a restarted run goes
+    through). Every forward sleeps delay_s (after a signal at least 50 ms), so that outside events
+    can land in the middle of a run."""
 
     def __init__(
         self,
@@ -53,6 +53,10 @@ class FailingModel(nn.Module):
                 target = os.getppid() if self.how.startswith("agent:") else os.getpid()
                 os.kill(target, signal.Signals[self.how.split(":")[-1]])
                 self.delay_s = max(self.delay_s, 0.05)  # the run must not end before the signal is acted on
+            elif self.how == "user_error":
+                from dtf.errors import UserError
+
+                raise UserError(f"model.fail_rank={self.fail_rank}: injected bad input; fix model.fail_rank")
             else:
                 raise RuntimeError(f"injected failure on rank {self.fail_rank}")
         if self.delay_s:

@@ -1,0 +1,89 @@
+"""Why a run failed, told the same way whichever launcher started its ranks.
+
+A rank that fails writes one small record before it dies (when, which rank, the error, its
+traceback) to <run_dir>/logs/failures/attempt_<k>/rank_<r>.json. The driver, local, SLURM or
+Spark alike, blames the rank whose record is oldest: its peers' errors ("connection closed by
+peer") are the consequence, whichever of them a launcher happens to report. A user error is one
+line; anything else prints that rank's traceback first. Standard library only: the driver reads
+these without importing the training stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dtf.errors import RankFailedError, UserError, user_error_in
+
+FAILURES_DIR = Path("logs") / "failures"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    time_ns: int
+    user_error: bool
+    message: str  # the UserError's text, or "<ExceptionType>: <first line>"
+    traceback: str
+
+    def error(self, logs: str | None = None) -> UserError:
+        """The error the driver reports: the user's one line, or which rank failed and how."""
+        if self.user_error:  # bad input, found where the ranks run (exit status 2, as on the driver)
+            return UserError(f"{self.message} (rank {self.rank})")
+        where = f" (its logs: {logs})" if logs else ""
+        return RankFailedError(f"rank {self.rank} failed: {self.message}{where}")
+
+
+def _attempt_dir(run_dir: str | Path, attempt: int) -> Path:
+    return Path(run_dir) / FAILURES_DIR / f"attempt_{attempt}"
+
+
+def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -> RankFailure:
+    """In a rank, as it fails: keep why (atomically: a peer's kill may follow at once)."""
+    user = user_error_in(error)
+    text = str(error).strip()
+    message = str(user) if user else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    failure = RankFailure(rank, time.time_ns(), user is not None, message, traceback.format_exc())
+    path = _attempt_dir(run_dir, attempt) / f"rank_{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(failure)))
+    os.replace(tmp, path)
+    return failure
+
+
+def first(run_dir: str | Path, attempt: int | None = None) -> RankFailure | None:
+    """The failure that came first, in the given attempt (default: the newest one recorded)."""
+    root = Path(run_dir) / FAILURES_DIR
+    if attempt is None:
+        attempts = sorted((int(p.name.removeprefix("attempt_")) for p in root.glob("attempt_*")), reverse=True)
+        if not attempts:
+            return None
+        attempt = attempts[0]
+    found = []
+    for path in _attempt_dir(run_dir, attempt).glob("rank_*.json"):
+        try:
+            found.append(RankFailure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # half a record: its rank was killed while writing it
+    return min(found, key=lambda f: f.time_ns) if found else None
+
+
+def clear(run_dir: str | Path) -> None:
+    """On the driver, before the ranks start: an earlier run in this run dir does not get the blame."""
+    root = Path(run_dir) / FAILURES_DIR
+    for path in sorted(root.glob("attempt_*/rank_*.json")):
+        path.unlink(missing_ok=True)
+
+
+def report(failure: RankFailure, logs: str | None = None) -> UserError:
+    """The error to raise on the driver; a failure that is not the user's shows its traceback first."""
+    if not failure.user_error and failure.traceback.strip():
+        sys.stderr.write(f"--- traceback of rank {failure.rank} ---\n{failure.traceback.rstrip()}\n")
+        sys.stderr.flush()
+    return failure.error(logs)

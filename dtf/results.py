@@ -1,0 +1,42 @@
+"""What a run ends as, on its way from the ranks through a launcher to the command line, and the
+exit status each outcome gives. Standard library only: the driver imports it to report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a rank failed (a bug, a crash, a lost peer): its error names it
+EXIT_USER_ERROR = 2  # a bad setting or input: one line names the key and the fix
+# EX_TEMPFAIL from sysexits.h, "a temporary failure; the user is invited to retry": a stop signal
+# ended the run after a checkpoint, and a requeueing scheduler may start it again.
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED_BASE = 128  # + the signal's number, as for a process killed by it (130 for Ctrl-C)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The run trained to its end; summary: rank 0's summary.json."""
+
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A stop signal ended the run at a checkpoint; the same command continues it."""
+
+    signal: str | None  # None: it reached another rank, not this one
+    step: int | None  # None: stopped before the first checkpoint
+    checkpoint: str | None
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A cluster job that runs on without the driver (launcher.wait=false, or a sweep's point)."""
+
+    job_id: str
+
+
+RunResult = Finished | Stopped | Submitted
