@@ -40,7 +40,7 @@ def absolute_pythonpath() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(e) for e in entries if e)
 
 
-def run(cfg: DictConfig, run_dir: str) -> RunResult:
+def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """Validate, freeze and launch one run. Callable without Hydra's command line."""
     absolute_pythonpath()
     validate(cfg)
@@ -118,6 +118,8 @@ def _hydra_main(cfg: DictConfig) -> Any:
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+    if result is None:  # a rank other than 0 that torchrun or srun started: rank 0 reports
+        return None
     if isinstance(result, Stopped):
         report_stop(result, run_dir)
     # Hydra keeps what the task returns (a sweep's JobReturn): the summary, or the job id submitted.

@@ -20,9 +20,10 @@ class Launcher(ABC):
         self.cfg = cfg
 
     @abstractmethod
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
         """Run fn(cfg, run_dir) on every rank; return how the run ended (rank 0's result), or raise
-        the error of the rank that failed first (dtf.failures)."""
+        the error of the rank that failed first (dtf.failures). None: this process is itself a rank
+        other than 0 (started by torchrun or srun), which has nothing to report."""
 
 
 def rank_result(result: Any) -> Finished | Stopped:
@@ -30,3 +31,8 @@ def rank_result(result: Any) -> Finished | Stopped:
     if not isinstance(result, Finished | Stopped):
         raise RankFailedError(f"rank 0 ended without a result ({result!r})")
     return result
+
+
+def in_place_result(result: Any) -> RunResult | None:
+    """What a process that is a rank itself returns: rank 0's result, or None on the other ranks."""
+    return result if isinstance(result, Finished | Stopped) else None

@@ -27,15 +27,15 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from dtf import failures
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
-from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.results import RunResult, Stopped
 
 
 class LocalLauncher(Launcher):
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
         if dist_env.launched_externally():
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.
-            return rank_result(fn(cfg, run_dir))
+            return in_place_result(fn(cfg, run_dir))
         nproc = self.cfg.nproc
         stop_signals = list(cfg.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from dtf import failures
 from dtf.errors import RankFailedError, UserError
-from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
 
 JOB_FOLDER = "slurm"  # under the run dir: sbatch script, pickles, every task's stdout/stderr
@@ -107,9 +107,9 @@ def srun_task_main() -> None:
 
 
 class SlurmLauncher(Launcher):
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
-        if inside_srun_task():
-            return rank_result(run_as_task(fn, cfg, run_dir, requeue=False))  # the user's srun owns the job
+    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
+        if inside_srun_task():  # the user's srun owns the job; this process is a rank
+            return in_place_result(run_as_task(fn, cfg, run_dir, requeue=False))
         failures.clear(run_dir)
         if inside_allocation():
             return self._srun_in_allocation(fn, cfg, run_dir)

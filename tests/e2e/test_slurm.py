@@ -163,6 +163,14 @@ def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path,
     assert s["params_sha256"] == local.summary["params_sha256"]
 
 
+def test_as_the_tasks_of_a_users_own_srun_each_process_is_a_rank(tmp_path: Path, short_local_run: DtfRun) -> None:
+    # srun starts `python -m dtf` twice: each task is one rank, in place; rank 0 reports, rank 1 just ends
+    srun = ["salloc", "-n", "2", "srun", sys.executable, "-m", "dtf"]
+    run = _ok(run_dtf([*SHORT, "launcher=slurm"], tmp_path / "srun", prefix=srun))
+    assert run.summary["world_size"] == 2 and run.summary["params_sha256"] == short_local_run.summary["params_sha256"]
+    assert run.stdout.count("dtf: final train loss") == 1
+
+
 def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tmp_path: Path) -> None:
     # the driver resolves each point's config; srun's tasks load it, they never re-parse the sweep's argv
     sweep_dir = tmp_path / "sweep"
