@@ -43,11 +43,10 @@ def absolute_pythonpath() -> None:
 def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """Validate, freeze and launch one run. Callable without Hydra's command line."""
     absolute_pythonpath()
-    validate(cfg)
     OmegaConf.resolve(cfg)
+    sections = validate(cfg)
     OmegaConf.set_readonly(cfg, True)
-    launcher = launch.build(cfg.launcher)
-    return launcher.launch(rank_main, cfg, run_dir)
+    return launch.build(sections.launcher).launch(rank_main, cfg, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:

@@ -5,6 +5,12 @@ class UserError(Exception):
     """A bad setting or input: the message names the key and the fix."""
 
 
+def require(ok: bool, key: str, value: object, rule: str) -> None:
+    """The one-line refusal of a bad setting: `key=value is invalid: rule` (rule says the fix)."""
+    if not ok:
+        raise UserError(f"{key}={value} is invalid: {rule}")
+
+
 class RankFailedError(UserError):
     """One or more ranks of a distributed run failed; the message names them."""
 

@@ -20,6 +20,8 @@ from torch import nn
 
 from dtf import failures
 from dtf import strategy as strategies
+from dtf.config.schema import PetastormDataConfig
+from dtf.config.typed import DataConfig, typed
 from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
@@ -30,7 +32,7 @@ from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.stop import StopRequest
-from dtf.train.trainer import Trainer, TrainerSettings, supervised_step
+from dtf.train.trainer import Trainer, supervised_step
 
 SUMMARY_FILE = "summary.json"
 WEIGHTS_FILE = "model.pt"
@@ -60,12 +62,13 @@ def build_model(cfg: DictConfig) -> nn.Module:
 def worker_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
     when a stop signal ended the run early."""
-    for key, value in cfg.launcher.get("env", {}).items():
+    run = typed(cfg)
+    for key, value in run.launcher.env.items():
         os.environ.setdefault(str(key), str(value))
     limit_threads()
     # From the start: a stop signal that arrives while the run is still setting up is not lost.
-    stop_request = StopRequest(list(cfg.checkpoint.stop_signals), sigint_kills=True)
-    t = cfg.trainer
+    stop_request = StopRequest(run.checkpoint.stop_signals, sigint_kills=True)
+    t = run.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     result = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)), stop_request)
@@ -76,9 +79,9 @@ def worker_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
     return result
 
 
-def label_source(data: DictConfig) -> str:
+def label_source(data: DataConfig) -> str:
     """Where the labels come from, as error messages name it."""
-    if "label_column" in data:
+    if isinstance(data, PetastormDataConfig):
         return f"data.label_column={data.label_column}"
     return "data.dataset (its targets)"
 
@@ -86,37 +89,28 @@ def label_source(data: DictConfig) -> str:
 def train(
     cfg: DictConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest | None = None
 ) -> RunResult | None:
-    t = cfg.trainer
+    run = typed(cfg)
+    t, ck = run.trainer, run.checkpoint
     if t.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(t.seed)
-    strategy = strategies.build(cfg.strategy)
+    strategy = strategies.build(run.strategy)
     model = strategy.build_model(lambda: build_model(cfg.model))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
             "model builds several modules: set trainer.step_fn._target_ to a function "
             "(model, batch, loss_fn) -> loss that calls them"
         )
-    train_data, eval_data = loader.build(cfg.data, env, seed=t.seed)
+    train_data, eval_data = loader.build(run.data, env, seed=t.seed)
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)
 
     scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size, t.grad_accum_steps)
     schedule.scale_lr(optimizer, scale)
-    settings = TrainerSettings(
-        max_epochs=t.max_epochs,
-        max_steps=t.max_steps,
-        grad_accum_steps=t.grad_accum_steps,
-        grad_clip_norm=t.grad_clip_norm,
-        eval_every_n_epochs=t.eval_every_n_epochs,
-        log_every_n_steps=t.log_every_n_steps,
-        progress=t.progress,
-        num_warmup_timing_steps=t.num_warmup_timing_steps,
-    )
     start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
     user_scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     lr_schedule = schedule.LRSchedule(
@@ -125,30 +119,24 @@ def train(
     )
     tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
     trainer = Trainer(
-        settings,
+        t,
         env,
         strategy,
         model,
         optimizer,
         schedule=lr_schedule,
-        loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(cfg.data)),
+        loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(run.data)),
         step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
         train_data=train_data,
         eval_data=eval_data,
         tensorboard=tb,
-        checkpointer=Checkpointer(
-            run_dir / cfg.checkpoint.dir, env, cfg.checkpoint.keep_last, cfg.strategy.name, cfg.checkpoint.async_save
-        ),
-        checkpoint_every_n_steps=cfg.checkpoint.every_n_steps,
-        checkpoint_at_end=cfg.checkpoint.at_end,
-        control=StepControl(stop_request or StopRequest(()), env.world_size, cfg.checkpoint.stop_check_every_n_steps),
+        checkpointer=Checkpointer(run_dir / ck.dir, env, ck.keep_last, run.strategy.name, ck.async_save),
+        checkpoint_every_n_steps=ck.every_n_steps,
+        checkpoint_at_end=ck.at_end,
+        control=StepControl(stop_request or StopRequest(()), env.world_size, ck.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
-    found, note = (
-        choose_start(cfg.checkpoint.resume, run_dir / cfg.checkpoint.dir, dist_env.attempt_number())
-        if env.is_main
-        else (None, None)
-    )
+    found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
     if note:
         print(f"dtf: {note}", flush=True)
     resume = dist_env.broadcast_from_main(str(found) if found else None)
@@ -166,7 +154,7 @@ def train(
         )
     if env.is_main:
         print(
-            f"dtf: {env.world_size} rank(s), strategy={cfg.strategy.name}, device={env.device}, "
+            f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, "
             f"{loader.describe(train_data)}, {trainer.total_steps} optimizer steps, "
             f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
             flush=True,
@@ -191,9 +179,9 @@ def train(
     if summary is None:
         return None
     summary.update(
-        strategy=cfg.strategy.name,
+        strategy=run.strategy.name,
         strategy_settings=OmegaConf.to_container(cfg.strategy),
-        launcher=cfg.launcher.name,
+        launcher=run.launcher.name,
         data_samples=train_data.num_samples,
         data_batches_per_epoch=len(train_data),
         data_dropped_per_epoch=train_data.num_dropped_per_epoch,  # over all ranks
@@ -210,9 +198,9 @@ def train(
         torch.save(state, run_dir / WEIGHTS_FILE)
     hparams = {
         "world_size": env.world_size,
-        "strategy": cfg.strategy.name,
+        "strategy": run.strategy.name,
         "lr": cfg.optimizer.get("lr"),
-        "batch_size": cfg.data.batch_size,
+        "batch_size": run.data.batch_size,
         "grad_accum_steps": t.grad_accum_steps,
         "lr_scaling": t.lr_scaling,
     }

@@ -2,20 +2,32 @@
 
 Each option YAML in `conf/<group>/` starts from one of these (via its defaults list),
 so a misspelled key or a wrong type fails when Hydra composes the config, before any
-process starts. What users own (model, optimizer, loss, scheduler, dataset) stays
-free-form and is built by `_target_`.
+process starts. Each checks its own values in __post_init__, which runs when the composed
+section becomes the dataclass its component receives (dtf.config.typed); rules that span
+sections or look at the machine are in dtf.config.validate. What users own (model, optimizer,
+loss, scheduler, dataset) stays free-form and is built by `_target_`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
+from dtf.errors import UserError, require
+
 # Names accepted by strategy.param_dtype / reduce_dtype (dtf.strategy.fsdp maps them to dtypes).
 PRECISIONS = ("bf16", "fp16", "fp32")
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+DEVICES = ("auto", "cpu", "cuda")
+# Signals a run can treat as a stop request (the same list as dtf.train.stop, without importing it).
+STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+# data.feature_dtype: the dtype features (and float labels) arrive in; auto = torch's default dtype,
+# the one the model's parameters are created in unless it says otherwise.
+FEATURE_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 
 
 class LRScaling(str, Enum):
@@ -60,6 +72,58 @@ class TrainerConfig:
     # Steps left out of the median step time (start-up, allocator warm-up).
     num_warmup_timing_steps: int = 5
 
+    def __post_init__(self) -> None:
+        require(self.max_epochs >= 1, "trainer.max_epochs", self.max_epochs, "train at least one epoch")
+        require(
+            self.max_steps is None or self.max_steps >= 1,
+            "trainer.max_steps",
+            self.max_steps,
+            "use a positive number, or null to train max_epochs",
+        )
+        require(
+            self.grad_accum_steps >= 1,
+            "trainer.grad_accum_steps",
+            self.grad_accum_steps,
+            "use 1 (no accumulation) or more",
+        )
+        require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            "trainer.grad_clip_norm",
+            self.grad_clip_norm,
+            "use a positive norm, or null for no clipping",
+        )
+        require(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "use 0 (no warm-up) or more")
+        require(
+            self.warmup_start_factor is None or 0 < self.warmup_start_factor <= 1,
+            "trainer.warmup_start_factor",
+            self.warmup_start_factor,
+            "use a factor in (0, 1], or null for the default",
+        )
+        require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", self.log_every_n_steps, "use 1 or more")
+        require(self.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", self.eval_every_n_epochs, "use 1 or more")
+        require(
+            self.dist_timeout_s > 0, "trainer.dist_timeout_s", self.dist_timeout_s, "use a positive number of seconds"
+        )
+        require(
+            self.num_warmup_timing_steps >= 0,
+            "trainer.num_warmup_timing_steps",
+            self.num_warmup_timing_steps,
+            "use 0 or more",
+        )
+        require(
+            self.dist_backend in BACKENDS,
+            "trainer.dist_backend",
+            self.dist_backend,
+            f"choose one of {', '.join(BACKENDS)}",
+        )
+        require(
+            self.device in DEVICES, "trainer.device", self.device, f"choose {', '.join(DEVICES[:-1])} or {DEVICES[-1]}"
+        )
+
+    def steps_per_epoch(self, num_batches: int) -> int:
+        """Optimizer steps in an epoch of num_batches micro-batches (the last window may be short)."""
+        return math.ceil(num_batches / self.grad_accum_steps)
+
 
 @dataclass
 class CheckpointConfig:
@@ -83,11 +147,35 @@ class CheckpointConfig:
     # collective every n steps. A stop takes effect within 2n steps.
     stop_check_every_n_steps: int = 10
 
+    def __post_init__(self) -> None:
+        require(
+            self.every_n_steps is None or self.every_n_steps >= 1,
+            "checkpoint.every_n_steps",
+            self.every_n_steps,
+            "use a positive number of optimizer steps, or null to save only at the end",
+        )
+        require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
+        require(
+            self.stop_check_every_n_steps >= 1,
+            "checkpoint.stop_check_every_n_steps",
+            self.stop_check_every_n_steps,
+            "use 1 or more",
+        )
+        for name in self.stop_signals:
+            require(
+                name in STOPPABLE_SIGNALS,
+                "checkpoint.stop_signals",
+                name,
+                f"use signal names among {', '.join(STOPPABLE_SIGNALS)}, or [] to die on them as usual",
+            )
+
 
 @dataclass
 class LoaderDataConfig:
     """A map-style dataset through torch's DataLoader and DistributedSampler."""
 
+    # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
+    kind: str = "loader"
     # _target_ of a callable returning a Dataset (train only) or a (train, test) pair.
     dataset: Any = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
@@ -98,6 +186,20 @@ class LoaderDataConfig:
     drop_last: bool = False
     num_workers: int = 0
     pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        check_batch_sizes(self.batch_size, self.eval_batch_size)
+        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "use 0 (load in the rank) or more")
+
+
+def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
+    require(batch_size >= 1, "data.batch_size", batch_size, "use a per-rank batch size of 1 or more")
+    require(
+        eval_batch_size is None or eval_batch_size >= 1,
+        "data.eval_batch_size",
+        eval_batch_size,
+        "use 1 or more, or null for data.batch_size",
+    )
 
 
 class Remainder(str, Enum):
@@ -123,6 +225,8 @@ class ReaderPool(str, Enum):
 class PetastormDataConfig:
     """Parquet or a Petastorm dataset read through Petastorm, with the same number of batches on every rank."""
 
+    # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
+    kind: str = "petastorm"
     # The training data: a Parquet file or directory, or a Petastorm dataset, as a local path or a
     # URL (file://, hdfs://, s3://, gs://, ... whatever Petastorm and fsspec resolve).
     path: str = MISSING
@@ -159,6 +263,19 @@ class PetastormDataConfig:
     # fsspec options for remote URLs (endpoint, credentials, ...).
     storage_options: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_batch_sizes(self.batch_size, self.eval_batch_size)
+        if not self.feature_columns:
+            raise UserError("data.feature_columns is empty: name the column(s) that form the model input")
+        require(
+            self.feature_dtype in FEATURE_DTYPES,
+            "data.feature_dtype",
+            self.feature_dtype,
+            f"use {', '.join(FEATURE_DTYPES)}",
+        )
+        require(self.workers_count >= 1, "data.workers_count", self.workers_count, "use 1 or more reader workers")
+        require(self.results_queue_size >= 1, "data.results_queue_size", self.results_queue_size, "use 1 or more")
+
 
 @dataclass
 class DDPStrategyConfig:
@@ -189,9 +306,19 @@ class FSDPStrategyConfig:
     cpu_offload: bool = False
     # Recompute each block's activations in backward instead of storing them.
     activation_checkpointing: bool = False
-    # Build the model on the meta device and materialise only this rank's shards
-    # (initialised by each module's reset_parameters, seeded with seed + the shard index: replicas of a shard agree).
+    # Build the model on the meta device and materialise only this rank's shards (initialised by
+    # each module's reset_parameters, seeded with seed + the shard's index: replicas of a shard agree).
     meta_init: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            require(
+                value is None or value in PRECISIONS,
+                f"strategy.{key}",
+                value,
+                f"choose one of {', '.join(PRECISIONS)} or null",
+            )
 
 
 @dataclass
@@ -200,6 +327,15 @@ class MicsStrategyConfig(FSDPStrategyConfig):
 
     name: str = "mics"
     partition_group_size: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.partition_group_size >= 1,
+            "strategy.partition_group_size",
+            self.partition_group_size,
+            "use 1 (DDP) up to the world size (ZeRO-3)",
+        )
 
 
 @dataclass
@@ -211,6 +347,16 @@ class ZeroStrategyConfig:
     # Stages 2 and 3 (FSDP2 underneath): see FSDPStrategyConfig.
     block_classes: list[str] | None = None
     meta_init: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            self.stage in (1, 2, 3),
+            "strategy.stage",
+            self.stage,
+            "choose 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)",
+        )
+        if self.stage == 1 and self.meta_init:
+            raise UserError("strategy.meta_init=true needs strategy.stage=2 or 3 (stage 1 keeps whole parameters)")
 
 
 @dataclass
@@ -228,6 +374,14 @@ class LocalLauncherConfig:
     # Extra environment variables for every rank (e.g. OMP_NUM_THREADS).
     env: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_nproc(self.nproc)
+        require(self.max_restarts >= 0, "launcher.max_restarts", self.max_restarts, "use 0 (no restart) or more")
+
+
+def check_nproc(nproc: int) -> None:
+    require(nproc >= 1, "launcher.nproc", nproc, "start at least one rank, e.g. launcher.nproc=2")
+
 
 @dataclass
 class SparkLauncherConfig:
@@ -243,6 +397,9 @@ class SparkLauncherConfig:
     spark_conf: dict[str, str] = field(default_factory=dict)
     # Extra environment variables for every rank.
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_nproc(self.nproc)
 
 
 @dataclass
@@ -274,3 +431,12 @@ class SlurmLauncherConfig:
     requeue: bool = True
     # Extra environment variables for every rank.
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "tasks_per_node", "cpus_per_task"):
+            require(getattr(self, key) >= 1, f"launcher.{key}", getattr(self, key), "use 1 or more")
+        require(self.time_min is not None, "launcher.time_min", self.time_min, "give the job's time limit in minutes")
+
+    @property
+    def nproc(self) -> int:
+        return self.nodes * self.tasks_per_node

@@ -1,4 +1,6 @@
-"""Rules Hydra's schemas cannot express, checked on the driver before any process starts.
+"""Rules that span sections or look at the machine, and the `_target_` checks, on the driver
+before any process starts. Each section's own values are checked by its dataclass
+(dtf.config.schema, through dtf.config.typed).
 
 Every failure is a UserError whose message names the key and says how to fix it.
 """
@@ -18,34 +20,40 @@ from hydra._internal.utils import _locate
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dtf.config.schema import PRECISIONS
+from dtf.config.schema import (
+    CheckpointConfig,
+    LocalLauncherConfig,
+    MicsStrategyConfig,
+    PetastormDataConfig,
+    SlurmLauncherConfig,
+    TrainerConfig,
+)
+from dtf.config.typed import LauncherConfig, RunConfig, typed
 from dtf.dist import env as dist_env
-from dtf.errors import UserError
+from dtf.errors import UserError, require
 
 # Keys Hydra's instantiate consumes itself; everything else is passed to the target.
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
-_BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
-def _require(ok: bool, key: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise UserError(f"{key}={value} is invalid: {rule}")
-
-
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> RunConfig:
+    """Refuse a bad config in one line, before any process starts; returns its typed sections."""
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
-    _check_trainer(cfg.trainer)
-    _check_data(cfg.data)
-    if "path" in cfg.data.keys():  # noqa: SIM118 - data=petastorm; `in` alone misses a path that is still ???
-        _check_petastorm_data(cfg)
-    _check_launcher(cfg.launcher, cfg.checkpoint)
-    _check_gpus(cfg)
-    _check_checkpoint(cfg.checkpoint)
-    _check_strategy(cfg)
+    run = typed(cfg)  # each section checks its own values
+    _check_machine(run.trainer)
+    _check_stop_signal(run)
+    _check_gpus(run)
+    _check_resume(run.checkpoint)
+    if isinstance(run.data, PetastormDataConfig):
+        from dtf.data.parquet_source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
+
+        # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
+        open_sources(run.data, expected_world_size(run.launcher))
+    _check_strategy(cfg, run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
-        _require(
+        require(
             isinstance(lr, int | float) and lr > 0,
             "optimizer.lr",
             lr,
@@ -56,6 +64,7 @@ def validate(cfg: DictConfig) -> None:
         if node is not None:
             for path, target_node in _targets(node, section):
                 _check_target(path, target_node)
+    return run
 
 
 def _check_known_keys(node: DictConfig, section: str) -> None:
@@ -71,134 +80,48 @@ def _check_known_keys(node: DictConfig, section: str) -> None:
             raise UserError(f"{section}.{key} is not a setting of dtf's {section} ({hint}); remove +{section}.{key}")
 
 
-def _check_trainer(t: DictConfig) -> None:
-    _require(t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "train at least one epoch")
-    _require(
-        t.max_steps is None or t.max_steps >= 1,
-        "trainer.max_steps",
-        t.max_steps,
-        "use a positive number, or null to train max_epochs",
-    )
-    _require(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
-    _require(
-        t.grad_clip_norm is None or t.grad_clip_norm > 0,
-        "trainer.grad_clip_norm",
-        t.grad_clip_norm,
-        "use a positive norm, or null for no clipping",
-    )
-    _require(t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "use 0 (no warm-up) or more")
-    _require(
-        t.warmup_start_factor is None or 0 < t.warmup_start_factor <= 1,
-        "trainer.warmup_start_factor",
-        t.warmup_start_factor,
-        "use a factor in (0, 1], or null for the default",
-    )
-    _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "use 1 or more")
-    _require(t.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", t.eval_every_n_epochs, "use 1 or more")
-    _require(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "use a positive number of seconds")
-    _require(
-        t.num_warmup_timing_steps >= 0, "trainer.num_warmup_timing_steps", t.num_warmup_timing_steps, "use 0 or more"
-    )
-    _require(
-        t.dist_backend in _BACKENDS, "trainer.dist_backend", t.dist_backend, f"choose one of {', '.join(_BACKENDS)}"
-    )
-    device = str(t.device)
-    _require(device in ("auto", "cpu", "cuda"), "trainer.device", device, "choose auto, cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
+def _check_machine(t: TrainerConfig) -> None:
+    """What the trainer asks of this machine."""
+    if t.device == "cuda" and not torch.cuda.is_available():
         raise UserError("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
-    if t.dist_backend == "nccl" and (device == "cpu" or not torch.cuda.is_available()):
+    if t.dist_backend == "nccl" and (t.device == "cpu" or not torch.cuda.is_available()):
         raise UserError("trainer.dist_backend=nccl needs CUDA devices: use trainer.dist_backend=auto or gloo")
 
 
-def _check_data(d: DictConfig) -> None:
-    if "batch_size" in d:
-        _require(d.batch_size >= 1, "data.batch_size", d.batch_size, "use a per-rank batch size of 1 or more")
-    if d.get("eval_batch_size") is not None:
-        _require(
-            d.eval_batch_size >= 1,
-            "data.eval_batch_size",
-            d.eval_batch_size,
-            "use 1 or more, or null for data.batch_size",
+def _check_stop_signal(run: RunConfig) -> None:
+    """SLURM's warning signal must be one the ranks handle, or it kills them instead of saving."""
+    if isinstance(run.launcher, SlurmLauncherConfig):
+        signals = run.checkpoint.stop_signals
+        require(
+            run.launcher.signal in signals,
+            "launcher.signal",
+            run.launcher.signal,
+            f"it must be one of checkpoint.stop_signals ({', '.join(signals)}), or the ranks "
+            "would die of it instead of saving",
         )
-    if "num_workers" in d:
-        _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the rank) or more")
 
 
-def _check_petastorm_data(cfg: DictConfig) -> None:
-    """data=petastorm, from the Parquet metadata only: files readable, columns present, and a full
-    batch for every rank. The ranks check the same again (they may see other files)."""
-    d = cfg.data
-    _require(d.workers_count >= 1, "data.workers_count", d.workers_count, "use 1 or more reader workers")
-    _require(d.results_queue_size >= 1, "data.results_queue_size", d.results_queue_size, "use 1 or more")
-    from dtf.data.parquet_source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
-
-    open_sources(d, expected_world_size(cfg))
-
-
-def _check_checkpoint(c: DictConfig) -> None:
-    _require(
-        c.every_n_steps is None or c.every_n_steps >= 1,
-        "checkpoint.every_n_steps",
-        c.every_n_steps,
-        "use a positive number of optimizer steps, or null to save only at the end",
-    )
-    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "keep at least 1 checkpoint")
-    _require(
-        c.stop_check_every_n_steps >= 1,
-        "checkpoint.stop_check_every_n_steps",
-        c.stop_check_every_n_steps,
-        "use 1 or more",
-    )
-    from dtf.train.stop import STOPPABLE_SIGNALS
-
-    for name in c.stop_signals:
-        _require(
-            name in STOPPABLE_SIGNALS,
-            "checkpoint.stop_signals",
-            name,
-            f"use signal names among {', '.join(STOPPABLE_SIGNALS)}, or [] to die on them as usual",
-        )
+def _check_resume(c: CheckpointConfig) -> None:
     if c.resume not in ("auto", "never"):
         from dtf.train.checkpoint import resolve_resume  # torch.distributed.checkpoint: only when needed
 
         resolve_resume(c.resume, Path(c.resume))  # a named checkpoint must exist and be complete
 
 
-def _check_launcher(launcher: DictConfig, checkpoint: DictConfig) -> None:
-    for key in ("nodes", "tasks_per_node", "cpus_per_task"):
-        if key in launcher:
-            _require(launcher[key] >= 1, f"launcher.{key}", launcher[key], "use 1 or more")
-    if "signal" in launcher:
-        _require(
-            launcher.signal in checkpoint.stop_signals,
-            "launcher.signal",
-            launcher.signal,
-            f"it must be one of checkpoint.stop_signals ({', '.join(checkpoint.stop_signals)}), or the ranks "
-            "would die of it instead of saving",
-        )
-    if "nproc" in launcher:
-        _require(
-            launcher.nproc >= 1, "launcher.nproc", launcher.nproc, "start at least one rank, e.g. launcher.nproc=2"
-        )
-    if "max_restarts" in launcher:
-        _require(
-            launcher.max_restarts >= 0, "launcher.max_restarts", launcher.max_restarts, "use 0 (no restart) or more"
-        )
-
-
-def _check_gpus(cfg: DictConfig) -> None:
+def _check_gpus(run: RunConfig) -> None:
     """One GPU per rank (each rank pins the GPU of its local rank): more ranks per machine than GPUs
     would put two ranks on one GPU, which NCCL refuses in the middle of the start-up."""
-    launcher, device = cfg.launcher, str(cfg.trainer.device)
-    if device == "cpu":
+    launcher = run.launcher
+    if run.trainer.device == "cpu":
         return
-    gpus_per_node = launcher.get("gpus_per_node")
-    if gpus_per_node and launcher.tasks_per_node > gpus_per_node:  # SLURM: the nodes' GPUs, as asked for
-        raise UserError(
-            f"launcher.tasks_per_node={launcher.tasks_per_node} is more than launcher.gpus_per_node={gpus_per_node} "
-            "GPUs: every rank needs a GPU of its own; lower launcher.tasks_per_node or raise launcher.gpus_per_node"
-        )
-    if launcher.name == "local" and not dist_env.launched_externally() and torch.cuda.is_available():
+    if isinstance(launcher, SlurmLauncherConfig):  # the nodes' GPUs, as asked for
+        gpus = launcher.gpus_per_node
+        if gpus and launcher.tasks_per_node > gpus:
+            raise UserError(
+                f"launcher.tasks_per_node={launcher.tasks_per_node} is more than launcher.gpus_per_node={gpus} "
+                "GPUs: every rank needs a GPU of its own; lower launcher.tasks_per_node or raise launcher.gpus_per_node"
+            )
+    if isinstance(launcher, LocalLauncherConfig) and not dist_env.launched_externally() and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if launcher.nproc > visible:
             raise UserError(
@@ -207,43 +130,24 @@ def _check_gpus(cfg: DictConfig) -> None:
             )
 
 
-def expected_world_size(cfg: DictConfig) -> int | None:
+def expected_world_size(launcher: LauncherConfig) -> int | None:
     """The number of ranks the launcher will start, when the driver can know it."""
     if dist_env.launched_externally():
         return int(os.environ["WORLD_SIZE"])
-    per_node = cfg.launcher.get("nproc", cfg.launcher.get("tasks_per_node"))
-    return None if per_node is None else int(per_node) * int(cfg.launcher.get("nodes", 1))
+    return launcher.nproc
 
 
-def _check_strategy(cfg: DictConfig) -> None:
-    s = cfg.strategy
-    if s.name == "zero":
-        if s.stage == 1 and s.meta_init:
-            raise UserError("strategy.meta_init=true needs strategy.stage=2 or 3 (stage 1 keeps whole parameters)")
-        _require(
-            s.stage in (1, 2, 3),
-            "strategy.stage",
-            s.stage,
-            "choose 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)",
-        )
-    for key in ("param_dtype", "reduce_dtype"):
-        value = s.get(key)
-        _require(
-            value is None or value in PRECISIONS,
-            f"strategy.{key}",
-            value,
-            f"choose one of {', '.join(PRECISIONS)} or null",
-        )
-    if s.name == "mics":
-        group = s.partition_group_size
-        world = expected_world_size(cfg)
-        _require(group >= 1, "strategy.partition_group_size", group, "use 1 (DDP) up to the world size (ZeRO-3)")
+def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
+    s = run.strategy
+    if isinstance(s, MicsStrategyConfig):
+        group, world = s.partition_group_size, expected_world_size(run.launcher)
         if world is not None and world % group != 0:
             valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
             raise UserError(
                 f"strategy.partition_group_size={group} does not divide the world size {world}: use one of {valid}"
             )
-    if s.get("block_classes"):
+    blocks = getattr(s, "block_classes", None)
+    if blocks:
         # Build the model on the meta device (no memory, no init) to check the names now.
         with torch.device("meta"):
             try:
@@ -253,7 +157,7 @@ def _check_strategy(cfg: DictConfig) -> None:
         if model is not None:
             from dtf.strategy.fsdp import find_blocks
 
-            find_blocks(model, list(s.block_classes))
+            find_blocks(model, list(blocks))
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:

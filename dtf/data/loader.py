@@ -11,9 +11,10 @@ from typing import Any, Protocol
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
+from dtf.config.typed import DataConfig
 from dtf.data.even import EvalShardSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -179,21 +180,17 @@ def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
     return built, None
 
 
-def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData | None]:
-    if "path" in cfg.keys():  # noqa: SIM118 - data=petastorm (keys(): also a path still ???)
+def build(cfg: DataConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData | None]:
+    if isinstance(cfg, PetastormDataConfig):
         from dtf.data import parquet  # petastorm and pyarrow: only for runs that read Parquet
 
         return parquet.build(cfg, env, seed)
-    return build_loader(cfg, env, seed)
-
-
-def build_loader(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[LoaderTrainData, LoaderEvalData | None]:
     train_set, test_set = split_datasets(cfg.dataset)
     return from_datasets(train_set, test_set, cfg, env, seed)
 
 
 def from_datasets(
-    train_set: Dataset, test_set: Dataset | None, cfg: DictConfig, env: DistEnv, seed: int
+    train_set: Dataset, test_set: Dataset | None, cfg: LoaderDataConfig, env: DistEnv, seed: int
 ) -> tuple[LoaderTrainData, LoaderEvalData | None]:
     """DataLoaders over already built datasets, with the settings of cfg (all but cfg.dataset)."""
     if len(train_set) < env.world_size:  # type: ignore[arg-type]
@@ -201,7 +198,7 @@ def from_datasets(
             f"data.dataset has {len(train_set)} training samples for {env.world_size} ranks: "  # type: ignore[arg-type]
             "give it at least one sample per rank"
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         num_workers=cfg.num_workers,
         worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
         pin_memory=cfg.pin_memory and env.device.type == "cuda",

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig
+from omegaconf import ListConfig
 
+from dtf.config.schema import PetastormDataConfig
 from dtf.data.parquet_plan import (
     EpochOrder,
     Segment,
@@ -28,7 +29,7 @@ from dtf.data.parquet_plan import (
     train_share,
 )
 from dtf.data.parquet_reader import Columns, ReaderOptions, read_segments
-from dtf.data.parquet_source import FEATURE_DTYPES, ParquetSource, open_sources, storage_options
+from dtf.data.parquet_source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 
@@ -105,11 +106,7 @@ def _label_array(values: np.ndarray, float_dtype: np.dtype) -> np.ndarray:
 
 def feature_dtype(name: str) -> torch.dtype:
     """data.feature_dtype: auto is torch's default dtype, the one a model's parameters are made in."""
-    if name == "auto":
-        return torch.get_default_dtype()
-    if name not in FEATURE_DTYPES:
-        raise UserError(f"data.feature_dtype={name} is invalid: use {', '.join(FEATURE_DTYPES)}")
-    return getattr(torch, name)
+    return torch.get_default_dtype() if name == "auto" else getattr(torch, name)
 
 
 def cut_batches(
@@ -277,14 +274,14 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
         )
 
 
-def build(cfg: DictConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+def build(cfg: PetastormDataConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, ParquetEvalData | None]:
     source, test = open_sources(cfg, env.world_size)
     _check_same_everywhere(f"{source.fingerprint()}; test: {test.fingerprint() if test else None}", env)
     features = list(cfg.feature_columns)
-    storage = storage_options(cfg)
+    storage = dict(cfg.storage_options)
     kind = _value(cfg.reader)
     transform = build_transform(cfg.transform)
-    dtype = feature_dtype(str(cfg.get("feature_dtype", "auto")))
+    dtype = feature_dtype(cfg.feature_dtype)
 
     def stream(src: ParquetSource) -> _Stream:
         row_reader = src.has_unischema if kind == "auto" else kind == "make_reader"

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from pyarrow.filesystem import DaskFileSystem
 from pyarrow.filesystem import FileSystem as LegacyFileSystem
 
+from dtf.config.schema import PetastormDataConfig
 from dtf.errors import UserError
 
 # Written by `python -m dtf.data.prepare` into plain Parquet: the per-row shape of array
@@ -74,10 +75,6 @@ def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
-
-# data.feature_dtype: the dtype features (and float labels) arrive in; auto = torch's default dtype,
-# the one the model's parameters are created in unless it says otherwise.
-FEATURE_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 
 # Filter operators pyarrow's (legacy) ParquetDataset applies to partition values.
 FILTER_OPS = ("=", "==", "!=", "<", ">", "<=", ">=", "in", "not in")
@@ -426,33 +423,16 @@ def open_dataset(fs: Any, path: str, filters: Any = None) -> Any:
     )
 
 
-def storage_options(data: Any) -> dict[str, Any]:
-    """data.storage_options as a plain dict, for fsspec."""
-    from omegaconf import OmegaConf
-
-    options = OmegaConf.to_container(data.storage_options) if data.get("storage_options") else {}
-    return {str(k): v for k, v in options.items()} if isinstance(options, dict) else {}
-
-
-def open_sources(data: Any, world_size: int | None) -> tuple[ParquetSource, ParquetSource | None]:
+def open_sources(data: PetastormDataConfig, world_size: int | None) -> tuple[ParquetSource, ParquetSource | None]:
     """The train and test sources of a `data=petastorm` config, checked against its settings:
     files readable, columns present, a full batch for every rank (when world_size is known).
 
     The test data are data.test_path with data.test_filters, or, with only data.test_filters set,
     data.path with data.test_filters (one Hive-partitioned root for train and test)."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_missing(data, "path"):
-        raise UserError("data.path is not set: give the Parquet data to train on, e.g. data.path=data/train")
-    dtype = str(data.get("feature_dtype", "auto"))
-    if dtype not in FEATURE_DTYPES:
-        raise UserError(f"data.feature_dtype={dtype} is invalid: use {', '.join(FEATURE_DTYPES)}")
-    storage = storage_options(data)
+    storage = dict(data.storage_options)
     features = list(data.feature_columns)
-    if not features:
-        raise UserError("data.feature_columns is empty: name the column(s) that form the model input")
-    train = inspect(data.path, "data.path", storage, data.get("filters"), "data.filters")
-    test_filters = data.get("test_filters")
+    train = inspect(data.path, "data.path", storage, data.filters, "data.filters")
+    test_filters = data.test_filters
     test_path, test_key = (data.test_path, "data.test_path") if data.test_path else (data.path, "data.path")
     test = (
         inspect(test_path, test_key, storage, test_filters, "data.test_filters")

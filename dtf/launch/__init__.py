@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
+from dtf.config.typed import LauncherConfig
 from dtf.launch.base import Launcher
 from dtf.launch.local import LocalLauncher
 from dtf.launch.slurm import SlurmLauncher
@@ -16,5 +15,5 @@ REGISTRY: dict[str, type[Launcher]] = {
 }
 
 
-def build(cfg: DictConfig) -> Launcher:
+def build(cfg: LauncherConfig) -> Launcher:
     return REGISTRY[cfg.name](cfg)

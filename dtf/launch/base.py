@@ -16,8 +16,8 @@ WorkerFn = Callable[[DictConfig, str], Any]
 
 
 class Launcher(ABC):
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg  # the launcher's config dataclass (dtf.config.schema)
 
     @abstractmethod
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:

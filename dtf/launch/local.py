@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import failures
+from dtf.config.schema import LocalLauncherConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
@@ -32,6 +33,8 @@ from dtf.results import RunResult, Stopped
 
 
 class LocalLauncher(Launcher):
+    cfg: LocalLauncherConfig
+
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
         if dist_env.launched_externally():
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.

@@ -33,6 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from dtf import failures
+from dtf.config.schema import SlurmLauncherConfig
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
@@ -107,6 +108,8 @@ def srun_task_main() -> None:
 
 
 class SlurmLauncher(Launcher):
+    cfg: SlurmLauncherConfig
+
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
         if inside_srun_task():  # the user's srun owns the job; this process is a rank
             return in_place_result(run_as_task(fn, cfg, run_dir, requeue=False))
@@ -157,11 +160,7 @@ class SlurmLauncher(Launcher):
         SlurmJobEnvironment.USR_SIG = signal_name
         executor = submitit.AutoExecutor(folder=Path(run_dir) / JOB_FOLDER, cluster="slurm")
         extra = dict(c.sbatch_extra)
-        for key in ("account", "qos"):
-            if c[key]:
-                extra[key] = c[key]
-        if c.time_min is None:
-            raise UserError("launcher.time_min=null is invalid: give the job's time limit in minutes")
+        extra.update({key: getattr(c, key) for key in ("account", "qos") if getattr(c, key)})
         executor.update_parameters(
             name=f"dtf-{Path(run_dir).name}",
             nodes=c.nodes,

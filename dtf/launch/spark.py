@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from dtf import failures
+from dtf.config.schema import SparkLauncherConfig
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.base import Launcher, WorkerFn, rank_result
 from dtf.results import RunResult
@@ -118,6 +119,8 @@ def _check_master_reachable(master: str) -> None:
 
 
 class SparkLauncher(Launcher):
+    cfg: SparkLauncherConfig
+
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         c = self.cfg
         require_java("launcher=spark")

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from omegaconf import DictConfig
-
+from dtf.config.typed import StrategyConfig
 from dtf.strategy.base import Strategy
 from dtf.strategy.ddp import DDPStrategy
 from dtf.strategy.fsdp import FSDPStrategy
 from dtf.strategy.mics import MicsStrategy
 from dtf.strategy.zero import zero
 
-REGISTRY: dict[str, Callable[[DictConfig], Strategy]] = {
+REGISTRY: dict[str, Callable[[Any], Strategy]] = {
     "ddp": DDPStrategy,
     "zero": zero,
     "fsdp": FSDPStrategy,
@@ -20,5 +20,5 @@ REGISTRY: dict[str, Callable[[DictConfig], Strategy]] = {
 }
 
 
-def build(cfg: DictConfig) -> Strategy:
+def build(cfg: StrategyConfig) -> Strategy:
     return REGISTRY[cfg.name](cfg)

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,8 +25,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class Strategy(ABC):
     name: str
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg  # the strategy's config dataclass (dtf.config.schema)
+        self.name = cfg.name  # what the user chose (zero, even when FSDP2 runs it)
 
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
 
-from dtf.config.schema import PRECISIONS
+from dtf.config.schema import PRECISIONS, FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import OptimizerFactory, Strategy
@@ -40,12 +40,13 @@ def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Modu
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    cfg: FSDPStrategyConfig
 
     def mesh(self, env: DistEnv) -> DeviceMesh:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
 
     def build_model(self, build: Any) -> nn.Module:
-        if self.cfg.get("meta_init", False):
+        if self.cfg.meta_init:
             with torch.device("meta"):
                 return build()
         return build()
@@ -53,23 +54,23 @@ class FSDPStrategy(Strategy):
     def _shard_kwargs(self, env: DistEnv) -> dict[str, Any]:
         cfg = self.cfg
         mp = MixedPrecisionPolicy(
-            param_dtype=DTYPES[cfg.param_dtype] if cfg.get("param_dtype") else None,
-            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.get("reduce_dtype") else None,
+            param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
+            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
         )
         offload: OffloadPolicy = (
-            CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.get("cpu_offload") else OffloadPolicy()
+            CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         )
         self._mesh = self.mesh(env)
         return {"mesh": self._mesh, "mp_policy": mp, "offload_policy": offload}
 
     def _shard(self, module: nn.Module, env: DistEnv, kwargs: dict[str, Any]) -> nn.Module:
-        blocks = find_blocks(module, self.cfg.get("block_classes"))
-        if self.cfg.get("activation_checkpointing"):
+        blocks = find_blocks(module, self.cfg.block_classes)
+        if self.cfg.activation_checkpointing:
             from torch.distributed._composable import checkpoint
 
             for block in blocks:
                 checkpoint(block)
-        reshard = self.cfg.get("reshard_after_forward", True)
+        reshard = self.cfg.reshard_after_forward
         # Innermost first: a block inside a block must be its own unit before its parent is.
         for block in reversed(blocks):
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
@@ -82,7 +83,7 @@ class FSDPStrategy(Strategy):
         """Allocate only the local shards, then let each module initialise its own (sharded) tensors.
         Seeded with seed + the shard's index: shards are not copies of each other, and the ranks that
         hold the same shard (replicas, in MiCS/HSDP) start with the same values, as they must."""
-        module.to_empty(device="cpu" if self.cfg.get("cpu_offload") else env.device)
+        module.to_empty(device="cpu" if self.cfg.cpu_offload else env.device)
         torch.manual_seed(torch.initial_seed() + self._mesh.get_local_rank("shard"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DTensor's RNG tracker notes that CPU meshes use the local RNG
@@ -93,7 +94,7 @@ class FSDPStrategy(Strategy):
 
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
         kwargs = self._shard_kwargs(env)
-        if not self.cfg.get("cpu_offload") and not any(p.is_meta for p in model.parameters()):
+        if not self.cfg.cpu_offload and not any(p.is_meta for p in model.parameters()):
             model = model.to(env.device)
         if isinstance(model, nn.ModuleDict):  # several modules: each is its own root
             for child in model.values():

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtf.config.schema import MicsStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.strategy.fsdp import FSDPStrategy
 
 
 class MicsStrategy(FSDPStrategy):
     name = "mics"
+    cfg: MicsStrategyConfig
 
     def mesh(self, env: DistEnv) -> DeviceMesh:
         group = self.cfg.partition_group_size

@@ -9,21 +9,20 @@ FSDP2 keeps parameters sharded in both, so stage 2 also holds 1/N of the paramet
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
-
-from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig
+from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig, ZeroStrategyConfig
 from dtf.strategy.base import Strategy
 from dtf.strategy.fsdp import FSDPStrategy
 from dtf.strategy.zero1 import Zero1Strategy
 
 
-def zero(cfg: DictConfig) -> Strategy:
+def zero(cfg: ZeroStrategyConfig) -> Strategy:
+    """The strategy of a ZeRO stage; whatever runs underneath, it is named (and reports as) zero."""
     if cfg.stage == 1:
-        return Zero1Strategy(OmegaConf.structured(DDPStrategyConfig(name="zero")))
+        return Zero1Strategy(DDPStrategyConfig(name="zero"))
     fsdp = FSDPStrategyConfig(
         name="zero",
         reshard_after_forward=cfg.stage == 3,
         block_classes=list(cfg.block_classes) if cfg.block_classes else None,
         meta_init=cfg.meta_init,
     )
-    return FSDPStrategy(OmegaConf.structured(fsdp))
+    return FSDPStrategy(fsdp)

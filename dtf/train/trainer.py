@@ -9,7 +9,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
+from dtf.config.schema import TrainerConfig
 from dtf.data.even import batch_size_of, take_first
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
@@ -46,27 +46,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-@dataclass
-class TrainerSettings:
-    """The subset of the `trainer` config the loop reads (plain values, no OmegaConf)."""
-
-    max_epochs: int
-    max_steps: int | None
-    grad_accum_steps: int
-    grad_clip_norm: float | None
-    eval_every_n_epochs: int
-    log_every_n_steps: int
-    progress: str
-    num_warmup_timing_steps: int
-
-    def steps_per_epoch(self, num_batches: int) -> int:
-        return math.ceil(num_batches / self.grad_accum_steps)
-
-
 class Trainer:
     def __init__(
         self,
-        settings: TrainerSettings,
+        settings: TrainerConfig,
         env: DistEnv,
         strategy: Strategy,
         model: nn.Module,

@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from dtf.config import store
+from dtf.config.typed import typed
 from dtf.config.validate import validate
 from dtf.data import parquet, prepare
 from dtf.dist.env import DistEnv
@@ -122,7 +123,7 @@ def test_prepare_writes_parquet_that_trains_like_the_in_memory_data(
     assert sizes == [300, 300, 299] and sum(sizes) == 899  # 1797 - round(1797 * 0.5)
     assert json.loads(pq.read_schema(train).metadata[b"dtf.shapes"]) == {"features": [1, 28, 28]}
     cfg = make("data=petastorm", f"data.path={train.parent}", f"data.test_path={train.parent.parent / 'test'}")
-    data, test = parquet.build(cfg.data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
+    data, test = parquet.build(typed(cfg).data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
     x, y = next(iter(data))
     assert x.shape == (32, 1, 28, 28) and y.dtype == torch.int64 and test is not None
 
@@ -147,7 +148,7 @@ def test_prepare_writes_a_petastorm_dataset_that_make_reader_reads_like_the_parq
             "data.shuffle_rows=false",
             "data.shuffle_row_groups=false",
         )
-        data, _ = parquet.build(cfg.data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
+        data, _ = parquet.build(typed(cfg).data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
         assert data.stream.reader.row_reader == (fmt == "petastorm")  # make_reader for the Unischema dataset
         batches[fmt] = list(data)
     assert (tmp_path / "scalar_field" / "petastorm" / "train" / "_common_metadata").exists()

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from dtf.config.schema import PetastormDataConfig
+from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.data import loader, parquet
 from dtf.data.parquet_plan import EpochOrder, train_share
 from dtf.dist.env import DistEnv
@@ -25,8 +25,8 @@ from tests.helpers.gloo import run_on_ranks
 from tests.helpers.parquet_files import SKEWED, write_row_groups, write_skewed
 
 
-def config(path: Path | str, **settings: Any) -> DictConfig:
-    return OmegaConf.structured(PetastormDataConfig(path=str(path), **settings))
+def config(path: Path | str, **settings: Any) -> PetastormDataConfig:
+    return PetastormDataConfig(path=str(path), **settings)
 
 
 def env(rank: int = 0, world: int = 1) -> DistEnv:
@@ -148,12 +148,9 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
         write_parquet(x, y, tmp_path / name, rows_per_group=100)
         cfg = config(tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False)
         parquet_batches = epoch(parquet.build(cfg, env(), seed=0)[0], 0)
-        memory_cfg = OmegaConf.load(Path(loader.__file__).parents[1] / "conf" / "data" / f"{name}.yaml")
-        memory_cfg = OmegaConf.merge(
-            {"eval_batch_size": None, "shuffle": False, "drop_last": True, "num_workers": 0, "pin_memory": False},
-            memory_cfg,
-            {"dataset": OmegaConf.from_dotlist(overrides), "batch_size": 32},
-        )
+        option = OmegaConf.load(Path(loader.__file__).parents[1] / "conf" / "data" / f"{name}.yaml")
+        dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))
+        memory_cfg = LoaderDataConfig(dataset=dataset, batch_size=32, shuffle=False, drop_last=True)
         memory_batches = epoch(loader.build(memory_cfg, env(), seed=0)[0], 0)
         assert len(parquet_batches) == len(memory_batches) > 0
         for (px, py), (mx, my) in zip(parquet_batches, memory_batches, strict=True):
@@ -176,7 +173,7 @@ def test_a_url_of_another_scheme_is_read_through_fsspec() -> None:
     assert len(set(features.tolist())) == 64
 
 
-def one_line_error(cfg: DictConfig, world: int = 1) -> str:
+def one_line_error(cfg: PetastormDataConfig, world: int = 1) -> str:
     with pytest.raises(UserError) as err:
         parquet.build(cfg, env(0, world), seed=0)
     message = str(err.value)

@@ -1,0 +1,83 @@
+"""The sections of a run that dtf owns, as the dataclasses their components receive.
+
+The composed config travels as an OmegaConf DictConfig (resolved and frozen on the driver, pickled
+to the ranks); each component gets its section as a plain dataclass instead, built here with
+OmegaConf.to_object, which runs the dataclass's own checks (__post_init__).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from dtf.config import schema
+from dtf.errors import UserError
+
+DataConfig = schema.LoaderDataConfig | schema.PetastormDataConfig
+StrategyConfig = schema.DDPStrategyConfig | schema.ZeroStrategyConfig | schema.FSDPStrategyConfig
+LauncherConfig = schema.LocalLauncherConfig | schema.SlurmLauncherConfig | schema.SparkLauncherConfig
+
+STRATEGIES: dict[str, type] = {
+    "ddp": schema.DDPStrategyConfig,
+    "zero": schema.ZeroStrategyConfig,
+    "fsdp": schema.FSDPStrategyConfig,
+    "mics": schema.MicsStrategyConfig,
+}
+LAUNCHERS: dict[str, type] = {
+    "local": schema.LocalLauncherConfig,
+    "slurm": schema.SlurmLauncherConfig,
+    "spark": schema.SparkLauncherConfig,
+}
+DATA: dict[str, type] = {"loader": schema.LoaderDataConfig, "petastorm": schema.PetastormDataConfig}
+# What a missing (???) value means to the user, where the generic sentence would not say enough.
+MISSING_HINTS = {"data.path": "give the Parquet data to train on, e.g. data.path=data/train"}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    trainer: schema.TrainerConfig
+    checkpoint: schema.CheckpointConfig
+    data: DataConfig
+    strategy: StrategyConfig
+    launcher: LauncherConfig
+
+
+def typed(cfg: DictConfig) -> RunConfig:
+    """The sections of cfg as dataclasses; a bad value is one line naming its key (UserError)."""
+    return RunConfig(
+        trainer=section(cfg, "trainer", schema.TrainerConfig),
+        checkpoint=section(cfg, "checkpoint", schema.CheckpointConfig),
+        data=section(cfg, "data", DATA["petastorm" if _is_petastorm(cfg.data) else "loader"]),
+        strategy=section(cfg, "strategy", _by_name(cfg.strategy, STRATEGIES, "strategy")),
+        launcher=section(cfg, "launcher", _by_name(cfg.launcher, LAUNCHERS, "launcher")),
+    )
+
+
+def _is_petastorm(data: DictConfig) -> bool:
+    kind = data.get("kind") if "kind" in data else None
+    return kind == "petastorm" or (kind is None and "path" in data.keys())  # noqa: SIM118 (a path still ??? too)
+
+
+def _by_name(node: DictConfig, classes: dict[str, type], key: str) -> type:
+    name = node.get("name")
+    if name not in classes:
+        raise UserError(f"{key}.name={name} is not one of dtf's {key}s: choose {', '.join(classes)}")
+    return classes[name]
+
+
+def section(cfg: DictConfig, key: str, cls: type) -> Any:
+    """cfg[key] as a cls instance: as composed from dtf's schema, or merged onto it (a user's own
+    option that does not extend the schema still gets its defaults and checks)."""
+    node = cfg[key]
+    try:
+        if OmegaConf.get_type(node) is not cls:
+            node = OmegaConf.merge(OmegaConf.structured(cls), node)
+        return OmegaConf.to_object(node)
+    except MissingMandatoryValue as e:
+        full = f"{key}.{e.full_key}" if e.full_key and not str(e.full_key).startswith(key) else str(e.full_key or key)
+        raise UserError(f"{full} is not set: {MISSING_HINTS.get(full, f'give it a value, e.g. {full}=...')}") from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
