@@ -6,16 +6,14 @@ never looks at sys.argv, so multirun jobs and any launcher can ship it as it is.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from dtf import failures
@@ -27,15 +25,13 @@ from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.results import Finished, RunResult, Stopped
 from dtf.train import schedule
+from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
 from dtf.train.logging import TensorBoard
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, supervised_step
-
-SUMMARY_FILE = "summary.json"
-WEIGHTS_FILE = "model.pt"
 
 
 def seed_everything(seed: int) -> None:
@@ -118,6 +114,7 @@ def train(
         lambda total: schedule.build_scheduler(optimizer, user_scheduler, total, t.warmup_steps, start_factor),
     )
     tb = TensorBoard(run_dir, enabled=t.tensorboard and env.is_main)
+    checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name)
     trainer = Trainer(
         t,
         env,
@@ -130,10 +127,8 @@ def train(
         train_data=train_data,
         eval_data=eval_data,
         tensorboard=tb,
-        checkpointer=Checkpointer(run_dir / ck.dir, env, ck.keep_last, run.strategy.name, ck.async_save),
-        checkpoint_every_n_steps=ck.every_n_steps,
-        checkpoint_at_end=ck.at_end,
-        control=StepControl(stop_request or StopRequest(()), env.world_size, ck.stop_check_every_n_steps),
+        checkpointer=checkpointer,
+        control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
@@ -168,59 +163,13 @@ def train(
 
     trainer.fit()
     if trainer.stopped_at_step is not None:
-        assert trainer.checkpointer is not None
         tb.close()  # what was logged so far is kept; the resumed run appends to the same run dir
         step = trainer.stopped_at_step
         signal_name = stop_request.signal_name if stop_request else None
-        return Stopped(signal_name, step, str(trainer.checkpointer.path_of(step)))
-    # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
-    state = strategy.full_state_dict(trainer.model)
-    summary = trainer.summary(run_dir, state)
-    if summary is None:
-        return None
-    summary.update(
-        strategy=run.strategy.name,
-        strategy_settings=OmegaConf.to_container(cfg.strategy),
-        launcher=run.launcher.name,
-        data_samples=train_data.num_samples,
-        data_batches_per_epoch=len(train_data),
-        data_dropped_per_epoch=train_data.num_dropped_per_epoch,  # over all ranks
-        data_repeated_per_epoch=train_data.num_repeated_per_epoch,
-    )
-    # Every key is always there (null when it does not apply), so readers never have to guess.
-    on_slurm = "SLURM_JOB_ID" in os.environ  # proof of where it ran, for sacct / scontrol
-    summary.update(
-        slurm_job_id=os.environ["SLURM_JOB_ID"] if on_slurm else None,
-        slurm_restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
-        weights_file=WEIGHTS_FILE if t.export_weights else None,
-    )
-    if t.export_weights:
-        torch.save(state, run_dir / WEIGHTS_FILE)
-    hparams = {
-        "world_size": env.world_size,
-        "strategy": run.strategy.name,
-        "lr": cfg.optimizer.get("lr"),
-        "batch_size": run.data.batch_size,
-        "grad_accum_steps": t.grad_accum_steps,
-        "lr_scaling": t.lr_scaling,
-    }
-    tb.hparams(
-        hparams,
-        {
-            "final_train_loss": summary["final_train_loss"],
-            **({"final_test_loss": summary["final_test_loss"]} if eval_data else {}),
-        },
-    )
+        return Stopped(signal_name, step, str(checkpointer.path_of(step)))
+    summary = run_summary.finish(run, cfg, trainer, run_dir)
     tb.close()
-    write_summary(run_dir, summary)
-    print(
-        f"dtf: final train loss {summary['final_train_loss']:.6g}"
-        + (f", test loss {summary['final_test_loss']:.6g}" if summary["final_test_loss"] is not None else "")
-        + f" (averaged over {env.world_size} rank(s)); step {summary['step_time_s'] or float('nan'):.3g}s median; "
-        f"summary {run_dir / SUMMARY_FILE}",
-        flush=True,
-    )
-    return Finished(summary)
+    return Finished(summary) if summary is not None else None
 
 
 def previous_failure(run_dir: Path, attempt: int) -> str:
@@ -229,10 +178,3 @@ def previous_failure(run_dir: Path, attempt: int) -> str:
     if failure is None:
         return "a rank died without an error of its own (killed by a signal?)"
     return f"rank {failure.rank} failed ({failure.message})"
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Atomically: readers (sweeps, tests) never see half a file."""
-    tmp = run_dir / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(tmp, run_dir / SUMMARY_FILE)

@@ -25,7 +25,7 @@ import time
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 
@@ -280,24 +281,51 @@ def committed(root: Path) -> list[Path]:
     return scan(root)[0]
 
 
-class Checkpointer:
-    """Saves one checkpoint at a time. With async_save, DCP writes in a background thread (on
-    its own gloo group, so its collectives never interleave with training's); the marker is
-    written once every rank's part is done, which the ranks learn together at a step boundary
-    (dtf.train.control), or at the latest when the next save starts or the run ends."""
+class Saveable(Protocol):
+    """What a checkpoint holds: state sharded by the strategy (DCP writes each rank's part, and
+    reshards it on load), and the trainer's own small state (rank 0 writes it whole)."""
 
-    def __init__(self, root: Path, env: DistEnv, keep_last: int, strategy_name: str, async_save: bool = False) -> None:
+    def app_state(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+class Checkpointer:
+    """Decides when a save is due (every_n_steps, the last step when at_end, or a stop) and saves
+    one checkpoint at a time. With async_save, DCP writes in a background thread (on its own gloo
+    group, so its collectives never interleave with training's); the marker is written once every
+    rank's part is done, which the ranks learn together at a step boundary (dtf.train.control), or
+    at the latest when the next save starts or the run ends."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, env: DistEnv, strategy_name: str) -> None:
         self.root = root
         self.env = env
-        self.keep_last = keep_last
+        self.every_n_steps = cfg.every_n_steps
+        self.at_end = cfg.at_end
+        self.keep_last = cfg.keep_last
         self.strategy_name = strategy_name
-        self.async_save = async_save
+        self.async_save = cfg.async_save
         multi = dist.is_initialized() and env.world_size > 1
-        self._upload_group = dist.new_group(backend="gloo") if async_save and multi else None
+        self._background_group = dist.new_group(backend="gloo") if cfg.async_save and multi else None
         self._pending: tuple[int, Path, Future[Any]] | None = None
+        self.blocked_s: list[float] = []  # how long each save held up the training loop
 
-    def save(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
-        """Collective: every rank calls it at the same step."""
+    def is_due(self, step: int, last: bool) -> bool:
+        return bool(self.every_n_steps and step % self.every_n_steps == 0) or (last and self.at_end)
+
+    def save(self, step: int, what: Saveable, *, last: bool = False, force: bool = False) -> bool:
+        """Collective: every rank calls it at every step boundary (last: the run's final step;
+        force: save whether due or not, for a stop). Returns whether it saved."""
+        if not (force or self.is_due(step, last)):
+            return False
+        t0 = time.perf_counter()
+        self.write(step, what.app_state(), what.state_dict())
+        self.blocked_s.append(time.perf_counter() - t0)
+        return True
+
+    def write(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+        """Collective: writes the checkpoint of this step now (committed at once, or once the
+        background write is done)."""
         self.finish()  # at most one save in flight: the one before is committed first
         path = self.path_of(step)
         if self.env.is_main:
@@ -310,7 +338,7 @@ class Checkpointer:
             _torch_save_synced(trainer_state, path / TRAINER_FILE)
         if self.async_save:
             # Returns once the state is copied to memory; the files are written in the background.
-            future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._upload_group)
+            future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._background_group)
             self._pending = (step, path, future)  # type: ignore[assignment]
         else:
             dcp.save(app_state, checkpoint_id=str(path))
@@ -321,11 +349,12 @@ class Checkpointer:
         return self.root / f"{_PREFIX}{step:09d}"
 
     @property
-    def upload_step(self) -> int | None:
+    def background_step(self) -> int | None:
         """The step of the save still being written in the background, if any."""
         return self._pending[0] if self._pending else None
 
-    def upload_done(self) -> bool:
+    def background_done(self) -> bool:
+        """Whether this rank's part of the background save has been written."""
         return self._pending is not None and self._pending[2].done()
 
     def finish(self) -> None:

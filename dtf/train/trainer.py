@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import math
 import statistics
@@ -13,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
@@ -47,6 +45,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 class Trainer:
+    """One rank's loop. Its own state (TrainState, the epoch's loss sums, the LR schedule) is what
+    state_dict() returns; app_state() is the strategy's (model and optimizer, sharded as trained)."""
+
     def __init__(
         self,
         settings: TrainerConfig,
@@ -60,10 +61,8 @@ class Trainer:
         train_data: TrainData,
         eval_data: EvalData | None,
         tensorboard: TensorBoard,
-        checkpointer: Checkpointer | None = None,
-        checkpoint_every_n_steps: int | None = None,
-        checkpoint_at_end: bool = False,
-        control: StepControl | None = None,
+        checkpointer: Checkpointer,
+        control: StepControl,
     ) -> None:
         self.s = settings
         self.env = env
@@ -77,15 +76,11 @@ class Trainer:
         self.eval_data = eval_data
         self.tb = tensorboard
         self.checkpointer = checkpointer
-        self.checkpoint_every_n_steps = checkpoint_every_n_steps
-        self.checkpoint_at_end = checkpoint_at_end
         self.control = control
         self.state = TrainState()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
-        self.stopped_at_step: int | None = None  # set when a stop signal ended the run early
-        self.save_blocked_s: list[float] = []  # how long each checkpoint held up the training loop
         self.step_times: list[float] = []
         self.model_state_bytes: int | None = None
         self._step_samples = 0  # samples of the latest optimizer step, over all ranks
@@ -106,24 +101,31 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self) -> None:
+        """Train until the budget is spent, or until the ranks agree to stop (stopped_at_step)."""
         progress = Progress(self.s.progress, self.total_steps, enabled=self.env.is_main)
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            # A run resumed mid-epoch, or at its very end, first finishes that epoch (its loss, evaluation).
-            while self.state.step < self.total_steps or self.state.mid_epoch:
+            while not self.finished:
                 if self._train_epoch(progress):
-                    break  # stopped by a signal: the epoch's end is the resumed run's to do
+                    break  # stopped: the epoch's end is the resumed run's to do
                 self._end_epoch(progress)
-            if self.checkpointer is not None:
-                self.checkpointer.finish()  # the last background save, if any, is committed
-            if self.control is not None:
-                self.control.close()
+            self.control.close()  # the last background save is committed, no exchange left in flight
         finally:
             progress.close()
 
+    @property
+    def finished(self) -> bool:
+        """The budget is spent and no epoch end is owed. A run resumed in the middle of an epoch,
+        or right after its last batch, still owes that epoch its end (its loss, evaluation)."""
+        return self.state.step >= self.total_steps and not self.state.mid_epoch
+
+    @property
+    def stopped_at_step(self) -> int | None:
+        return self.control.stopped_at_step
+
     def _train_epoch(self, progress: Progress) -> bool:
         """The rest of the current epoch, one accumulation window per optimizer step, until the
-        epoch or the budget ends. True when a stop signal ended the run."""
+        epoch or the budget ends. True when the ranks agreed to stop."""
         start, self.start_batch = self.start_batch, 0
         self.train_data.set_epoch(self.state.epoch, start_batch=start)
         if start == 0:
@@ -137,10 +139,7 @@ class Trainer:
                 break  # the budget ends inside this epoch (or a finished run was run again)
             size = min(accum, num_batches - first)  # the last window of an epoch may be short
             self._train_window(itertools.islice(batches, size), size)
-            used = self.train_data.samples_after(first + size)
-            self._step_samples = used - self.train_data.samples_after(first)
-            self.state.samples_in_epoch = used
-            self.state.samples_seen += self._step_samples
+            self._count_samples(first, size)
             if self._after_step(progress):
                 return True
         return False
@@ -164,17 +163,27 @@ class Trainer:
         self.schedule.step()
         self.state.step += 1
 
+    def _count_samples(self, first: int, size: int) -> None:
+        """The epoch's position after batches [first, first + size), in samples over all ranks."""
+        used = self.train_data.samples_after(first + size)
+        self._step_samples = used - self.train_data.samples_after(first)
+        self.state.samples_in_epoch = used
+        self.state.samples_seen += self._step_samples
+
     def _after_step(self, progress: Progress) -> bool:
-        """Timing, logging, checkpoints and the stop protocol. True when the run must stop here."""
+        """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
         self.state.train_seconds += now - self._t_last
         self._t_last = now
-        if self.state.step % self.s.log_every_n_steps == 0 or self.state.step == self.total_steps:
+        step = self.state.step
+        last = step >= self.total_steps
+        if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
-        saves = len(self.save_blocked_s)
-        stop = self._at_step_boundary()
-        if len(self.save_blocked_s) > saves:
+        stop = self.control.should_stop(step, last)
+        # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
+        # this exact sample, as if it had never stopped.
+        if self.checkpointer.save(step, self, last=last, force=stop):
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
 
@@ -207,27 +216,6 @@ class Trainer:
             torch.cuda.synchronize(self.env.device)  # step times must include the queued GPU work
         return time.perf_counter()
 
-    def _at_step_boundary(self) -> bool:
-        """Checkpoints due at this step, and the stop protocol. True when the run must stop here."""
-        ck = self.checkpointer
-        step = self.state.step
-        agreed = self.control.exchange(step, ck.upload_step, ck.upload_done()) if self.control and ck else None
-        if agreed and ck and agreed.committed_step is not None and agreed.committed_step == ck.upload_step:
-            ck.finish()  # every rank has written its part: commit without waiting for anything
-        every = self.checkpoint_every_n_steps
-        last = step >= self.total_steps
-        due = bool(every and step % every == 0) or (last and self.checkpoint_at_end)
-        stop = agreed is not None and agreed.stop and not last
-        if due or stop:
-            # Saved at the step boundary, before any end-of-epoch work: a resumed run
-            # continues from this exact sample, as if it had never stopped.
-            t0 = time.perf_counter()
-            self.save_checkpoint()
-            self.save_blocked_s.append(time.perf_counter() - t0)
-        if stop:
-            self.stopped_at_step = step
-        return stop
-
     def _log_step(self, progress: Progress) -> None:
         if not self.env.is_main:
             return
@@ -258,21 +246,21 @@ class Trainer:
         return metric.compute()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self) -> None:
-        """Collective: every rank calls it at the same step."""
-        assert self.checkpointer is not None
-        trainer_state = {
+    def app_state(self) -> dict[str, Any]:
+        """Model and optimizer, as the strategy shards them (DCP saves and reshards it)."""
+        return self.strategy.state_dict(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own state: position and curves, the epoch's loss sums over all ranks, the schedule."""
+        return {
             "trainer": self.state.state_dict(),
-            "epoch_loss": self.train_loss.state_dict(),  # summed over the ranks
+            "epoch_loss": self.train_loss.state_dict(),
             "schedule": self.schedule.state_dict(),
         }
-        app_state = self.strategy.state_dict(self.model, self.optimizer)
-        self.checkpointer.save(self.state.step, app_state, trainer_state)
 
     def resume_from(self, path: Path) -> None:
         """Continue exactly where the checkpoint at path stopped (collective)."""
-        assert self.checkpointer is not None
-        app_state = self.strategy.state_dict(self.model, self.optimizer)
+        app_state = self.app_state()
         saved, rng, saved_world = self.checkpointer.load(path, app_state)
         self.strategy.load_state_dict(self.model, self.optimizer, app_state)
         if "trainer" not in saved:
@@ -317,57 +305,3 @@ class Trainer:
         if seen_twice:
             return [f"the global batch changed: {seen_twice} samples of epoch {epoch} are seen twice"]
         return []
-
-    # -- results ---------------------------------------------------------------------------
-    @staticmethod
-    def params_sha256(state: dict[str, torch.Tensor]) -> str:
-        """Digest of the full model state (names, dtypes, shapes, values), independent of sharding."""
-        h = hashlib.sha256()
-        for name in sorted(state):
-            t = state[name].detach().cpu().contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()
-
-    def median_step_time(self) -> float | None:
-        skip = min(self.s.num_warmup_timing_steps, len(self.step_times) // 2)
-        times = self.step_times[skip:]
-        return statistics.median(times) if times else None
-
-    def summary(self, run_dir: Path, full_state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
-        """Gathers per-rank figures (a collective) and returns the run summary on rank 0."""
-        digest = self.params_sha256(full_state)
-        local = {"steps": self.state.step, "bytes": self.model_state_bytes, "digest": digest}
-        gathered: list[Any] = [local]
-        if dist.is_initialized() and self.env.world_size > 1:
-            gathered = [None] * self.env.world_size
-            dist.all_gather_object(gathered, local)
-        if not self.env.is_main:
-            return None
-        st = self.state
-        digests = {g["digest"] for g in gathered}
-        summary: dict[str, Any] = {
-            "world_size": self.env.world_size,
-            "global_step": st.step,
-            "epochs": st.epoch,
-            "steps_per_rank": [g["steps"] for g in gathered],
-            "final_train_loss": st.last_train_loss,
-            "final_test_loss": st.last_test_loss,
-            "train_loss_per_epoch": st.train_loss_curve,
-            "test_loss_per_epoch": st.test_loss_curve,
-            "samples_per_sec": st.samples_seen / st.train_seconds if st.train_seconds > 0 else None,
-            "step_time_s": self.median_step_time(),
-            # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
-            "checkpoint_blocked_s": statistics.median(self.save_blocked_s) if self.save_blocked_s else None,
-            "checkpoints_saved": len(self.save_blocked_s),
-            "model_state_bytes": [g["bytes"] for g in gathered],
-            "params_sha256": digest,
-            # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
-            "params_sha256_consistent": len(digests) == 1,
-            "samples_seen": st.samples_seen,
-            "train_seconds": st.train_seconds,
-            "lr_final": self.optimizer.param_groups[0]["lr"],
-            "resumed_from_step": self.resumed_from_step,
-            "run_dir": str(run_dir),
-        }
-        return summary

@@ -29,8 +29,9 @@ def compose_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def train_in_process(overrides: list[str], run_dir: Path) -> Any:
-    """worker.train on a process group of one; returns the summary, or the Stopped result."""
+def train_in_process(overrides: list[str], run_dir: Path, stop_request: Any = None) -> Any:
+    """worker.train on a process group of one; returns the summary, or the Stopped result.
+    stop_request: stands in for the signal handlers (a StopRequest or anything with its interface)."""
     from dtf.dist import env as dist_env
     from dtf.results import Finished
     from dtf.worker import train
@@ -40,7 +41,7 @@ def train_in_process(overrides: list[str], run_dir: Path) -> Any:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dist_env.init("cpu", "gloo", 60.0)
     try:
-        result = train(cfg, env, run_dir)
+        result = train(cfg, env, run_dir, stop_request)
         return result.summary if isinstance(result, Finished) else result
     finally:
         dist_env.destroy()

@@ -117,6 +117,7 @@ def _global(module: str, name: str, arg: str) -> bytes:
 def test_a_crafted_metadata_file_runs_nothing_on_any_path_that_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, name: str
 ) -> None:
+    from dtf.config.schema import CheckpointConfig
     from dtf.train.checkpoint import Checkpointer, choose_start
 
     monkeypatch.chdir(tmp_path)  # where the exploit would create its file
@@ -129,7 +130,7 @@ def test_a_crafted_metadata_file_runs_nothing_on_any_path_that_reads_it(
     with pytest.raises(UserError):
         resolve_resume(str(crafted), root)  # resume=<path>, checked on the driver
     assert choose_start("auto", root, attempt=0)[0] == good
-    Checkpointer(root, _env(), keep_last=1, strategy_name="ddp")._prune()
+    Checkpointer(CheckpointConfig(keep_last=1), root, _env(), strategy_name="ddp")._prune()
     assert not (tmp_path / "pwned").exists()
 
 

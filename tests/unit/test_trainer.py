@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from dtf.results import Stopped
+from dtf.train.stop import StopRequest
 from tests.helpers.inprocess import train_in_process
 
 # 2,000 training samples: 63 batches of 32 per epoch on one rank (the last one of 16).
@@ -46,6 +48,52 @@ def test_resume_at_every_position_ends_where_the_straight_run_ends(tmp_path: Pat
     assert resumed["resumed_from_step"] == stop_at
     _same(resumed, straight)
     assert resumed["samples_seen"] == straight["samples_seen"] == 3 * 2000
+
+
+class StopAtCheck(StopRequest):
+    """A stop signal that arrives just before the n-th time the ranks compare notes (0: before training)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(())
+        self.checks_left = n
+
+    @property
+    def requested(self) -> bool:
+        if self.checks_left == 0:
+            self.signal_name = "SIGTERM"
+        self.checks_left -= 1
+        return self.signal_name is not None
+
+
+# accum 1: 63 steps per epoch; accum 3: 21. The first possible stop, mid-epoch, an epoch's last
+# step, the first step of the next epoch.
+@pytest.mark.parametrize(("accum", "stop_at"), [(1, 2), (1, 30), (1, 63), (1, 64), (3, 2), (3, 21), (3, 22), (3, 50)])
+def test_a_stop_at_any_step_saves_there_and_the_rerun_ends_where_the_straight_run_ends(
+    tmp_path: Path, accum: int, stop_at: int
+) -> None:
+    # The ranks compare notes after every step (check k after step k + 1) and act on what they
+    # posted one exchange before: a signal that arrives before check k stops the run at step k + 2.
+    signal_at = stop_at - 2
+    args = [f"trainer.grad_accum_steps={accum}", "trainer.max_epochs=3", "checkpoint.stop_check_every_n_steps=1"]
+    straight = _run(tmp_path, "straight", *args)
+    stopped = train_in_process([*SMALL, *args], tmp_path / "stopped", StopAtCheck(signal_at))
+    assert isinstance(stopped, Stopped), stopped
+    assert (stopped.signal, stopped.step) == ("SIGTERM", stop_at)
+    assert stopped.checkpoint == str(tmp_path / "stopped" / "checkpoints" / f"step_{stop_at:09d}")
+    assert (Path(stopped.checkpoint) / "COMMITTED.json").is_file()
+    assert not (tmp_path / "stopped" / "summary.json").exists()  # the run is not finished
+    resumed = _run(tmp_path, "stopped", *args)
+    assert resumed["resumed_from_step"] == stop_at
+    _same(resumed, straight)
+    assert resumed["samples_seen"] == straight["samples_seen"] == 3 * 2000
+
+
+def test_a_stop_signal_at_the_last_step_finishes_the_run(tmp_path: Path) -> None:
+    args = ["trainer.max_steps=30", "checkpoint.stop_check_every_n_steps=1"]
+    straight = _run(tmp_path, "straight", *args)
+    finished = train_in_process([*SMALL, *args], tmp_path / "late", StopAtCheck(28))  # would stop at step 30
+    assert isinstance(finished, dict)
+    _same(finished, straight)
 
 
 def _masked_step(model: torch.nn.Module, batch: Any, loss_fn: Any) -> tuple[torch.Tensor, int]:

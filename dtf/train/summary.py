@@ -1,0 +1,138 @@
+"""The record of a finished run: `<run_dir>/summary.json`, the final line, TensorBoard's hparams,
+and the exported weights. Every key of the summary is always there (null when it does not apply),
+so that sweeps, tests and users never have to guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from dtf.config.typed import RunConfig
+
+if TYPE_CHECKING:
+    from dtf.train.trainer import Trainer
+
+SUMMARY_FILE = "summary.json"
+WEIGHTS_FILE = "model.pt"
+
+
+def params_sha256(state: dict[str, torch.Tensor]) -> str:
+    """Digest of the full model state (names, dtypes, shapes, values), independent of sharding."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def median_step_time(step_times: list[float], warmup_steps: int) -> float | None:
+    """The median step time without the first steps (allocations, caches), if any are left."""
+    times = step_times[min(warmup_steps, len(step_times) // 2) :]
+    return statistics.median(times) if times else None
+
+
+def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | None:
+    """The loop's figures, with each rank's steps, state size and digest (a collective); the
+    summary on rank 0, None elsewhere."""
+    env, st, blocked = trainer.env, trainer.state, trainer.checkpointer.blocked_s
+    local = {"steps": st.step, "bytes": trainer.model_state_bytes, "digest": digest}
+    gathered: list[Any] = [local]
+    if dist.is_initialized() and env.world_size > 1:
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, local)
+    if not env.is_main:
+        return None
+    return {
+        "world_size": env.world_size,
+        "global_step": st.step,
+        "epochs": st.epoch,
+        "steps_per_rank": [g["steps"] for g in gathered],
+        "final_train_loss": st.last_train_loss,
+        "final_test_loss": st.last_test_loss,
+        "train_loss_per_epoch": st.train_loss_curve,
+        "test_loss_per_epoch": st.test_loss_curve,
+        "samples_per_sec": st.samples_seen / st.train_seconds if st.train_seconds > 0 else None,
+        "step_time_s": median_step_time(trainer.step_times, trainer.s.num_warmup_timing_steps),
+        # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
+        "checkpoint_blocked_s": statistics.median(blocked) if blocked else None,
+        "checkpoints_saved": len(blocked),
+        "model_state_bytes": [g["bytes"] for g in gathered],
+        "params_sha256": digest,
+        # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
+        "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,
+        "samples_seen": st.samples_seen,
+        "train_seconds": st.train_seconds,
+        "lr_final": trainer.optimizer.param_groups[0]["lr"],
+        "resumed_from_step": trainer.resumed_from_step,
+        "run_dir": str(run_dir),
+    }
+
+
+def run_facts(run: RunConfig, cfg: DictConfig, trainer: Trainer) -> dict[str, Any]:
+    """What the run was: strategy, launcher, data, and where it ran."""
+    data = trainer.train_data
+    on_slurm = "SLURM_JOB_ID" in os.environ  # proof of where it ran, for sacct / scontrol
+    return {
+        "strategy": run.strategy.name,
+        "strategy_settings": OmegaConf.to_container(cfg.strategy),
+        "launcher": run.launcher.name,
+        "data_samples": data.num_samples,
+        "data_batches_per_epoch": len(data),
+        "data_dropped_per_epoch": data.num_dropped_per_epoch,  # over all ranks
+        "data_repeated_per_epoch": data.num_repeated_per_epoch,
+        "slurm_job_id": os.environ["SLURM_JOB_ID"] if on_slurm else None,
+        "slurm_restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
+        "weights_file": WEIGHTS_FILE if run.trainer.export_weights else None,
+    }
+
+
+def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
+    """Collective, after fit(): digests the model on every rank; rank 0 exports the weights, logs
+    the hparams, writes summary.json, prints the final line and returns the summary."""
+    # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
+    state = trainer.strategy.full_state_dict(trainer.model)
+    summary = gather(trainer, params_sha256(state), run_dir)
+    if summary is None:
+        return None
+    summary.update(run_facts(run, cfg, trainer))
+    if run.trainer.export_weights:
+        torch.save(state, run_dir / WEIGHTS_FILE)
+    hparams = {
+        "world_size": trainer.env.world_size,
+        "strategy": run.strategy.name,
+        "lr": cfg.optimizer.get("lr"),
+        "batch_size": run.data.batch_size,
+        "grad_accum_steps": run.trainer.grad_accum_steps,
+        "lr_scaling": run.trainer.lr_scaling,
+    }
+    metrics = {"final_train_loss": summary["final_train_loss"]}
+    if trainer.eval_data is not None:
+        metrics["final_test_loss"] = summary["final_test_loss"]
+    trainer.tb.hparams(hparams, metrics)
+    write(run_dir, summary)
+    test = summary["final_test_loss"]
+    print(
+        f"dtf: final train loss {summary['final_train_loss']:.6g}"
+        + (f", test loss {test:.6g}" if test is not None else "")
+        + f" (averaged over {trainer.env.world_size} rank(s)); "
+        f"step {summary['step_time_s'] or float('nan'):.3g}s median; summary {run_dir / SUMMARY_FILE}",
+        flush=True,
+    )
+    return summary
+
+
+def write(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Atomically: readers (sweeps, tests) never see half a file."""
+    tmp = run_dir / (SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(tmp, run_dir / SUMMARY_FILE)
