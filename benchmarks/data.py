@@ -41,8 +41,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from dtf.config.schema import PetastormDataConfig
-from dtf.data import loader, parquet
-from dtf.data.parquet_source import quiet_petastorm, to_url
+from dtf.data import loader
+from dtf.data.parquet import data as parquet
+from dtf.data.parquet.source import quiet_petastorm, to_url
 from dtf.data.prepare import build_splits, write_parquet
 from dtf.dist.env import DistEnv
 

@@ -28,8 +28,8 @@ from dtf.train import schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
-from dtf.train.logging import TensorBoard
 from dtf.train.loss import TargetsLikeOutput
+from dtf.train.progress import TensorBoard
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, supervised_step
 

@@ -1,21 +1,20 @@
 """The data of a run: the interface the trainer uses, and map-style datasets through torch's
-DataLoader, sharded across ranks. `data=petastorm` (a `path` instead of a `dataset`) is
+DataLoader, sharded across ranks. `data=petastorm` (Parquet) is
 built by dtf.data.parquet behind the same interface."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.config.typed import DataConfig
-from dtf.data.even import EvalShardSampler
+from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.train import stop
@@ -71,23 +70,6 @@ class EvalData(Protocol):
     def num_real_in_batch(self, batch_index: int) -> int:
         """Samples of batch batch_index that are real (a prefix); the rest is padding."""
         ...
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start the current epoch after its first `skip` samples
-    (a mid-epoch resume); the next set_epoch() starts from the beginning again."""
-
-    skip = 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
 
 
 @dataclass
@@ -182,7 +164,7 @@ def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
 
 def build(cfg: DataConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData | None]:
     if isinstance(cfg, PetastormDataConfig):
-        from dtf.data import parquet  # petastorm and pyarrow: only for runs that read Parquet
+        from dtf.data.parquet import data as parquet  # petastorm and pyarrow: only for runs that read Parquet
 
         return parquet.build(cfg, env, seed)
     train_set, test_set = split_datasets(cfg.dataset)

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
 from dtf.data.loader import split_datasets
-from dtf.data.parquet_source import SHAPES_KEY, quiet_petastorm
+from dtf.data.parquet.source import SHAPES_KEY, quiet_petastorm
 from dtf.errors import UserError
 
 CONF_DATA = Path(__file__).resolve().parents[1] / "conf" / "data"

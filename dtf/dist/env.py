@@ -95,8 +95,9 @@ def destroy() -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on every interface of this host (peers on other hosts connect to it)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -36,3 +39,31 @@ def rank_result(result: Any) -> Finished | Stopped:
 def in_place_result(result: Any) -> RunResult | None:
     """What a process that is a rank itself returns: rank 0's result, or None on the other ranks."""
     return result if isinstance(result, Finished | Stopped) else None
+
+
+class LogTail:
+    """Prints the complete lines a rank's log file has gained since the last look (a line still
+    being written waits for the next one), leaving out lines `hide` picks (a tool's bookkeeping)."""
+
+    def __init__(self, path: Path, hide: Callable[[str], bool] = lambda line: False) -> None:
+        self.path = path
+        self.hide = hide
+        self.shown = 0
+
+    def print_new(self) -> None:
+        try:
+            text = self.path.read_text(errors="replace")
+        except OSError:
+            return  # not there yet
+        complete = text.rfind("\n") + 1
+        for line in text[self.shown : complete].splitlines(keepends=True):
+            if not self.hide(line):
+                sys.stdout.write(line)
+        sys.stdout.flush()
+        self.shown = max(self.shown, complete)
+
+    def follow(self, stop: threading.Event, every_s: float = 0.5) -> None:
+        """Prints new lines every every_s seconds until stop is set, and once more after (the last lines)."""
+        while not stop.wait(every_s):
+            self.print_new()
+        self.print_new()

@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from dtf import failures
 from dtf.config.schema import SlurmLauncherConfig
 from dtf.errors import RankFailedError, UserError
-from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
+from dtf.launch.base import Launcher, LogTail, WorkerFn, in_place_result, rank_result
 from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
 
 JOB_FOLDER = "slurm"  # under the run dir: sbatch script, pickles, every task's stdout/stderr
@@ -286,12 +286,13 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
     from submitit.core.utils import JobPaths, pickle_load
 
     paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
-    shown = 0
+    # submitit's own bookkeeping lines are not the user's output
+    tail = LogTail(paths[0].stdout, hide=lambda line: "submitit " in line)
     ended_at: float | None = None
     results_at: float | None = None
     while True:
         if stream:
-            shown = _print_new(paths[0].stdout, shown)
+            tail.print_new()
         state = job_state(job.job_id)
         if state is not None and state[0] == "PENDING" and state[1] in _NEVER_STARTS:
             subprocess.run(["scancel", job.job_id], timeout=60)  # our own job, which would wait forever
@@ -321,7 +322,7 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
                     break
         time.sleep(0.2 if have_results else 1.0)
     if stream:
-        _print_new(paths[0].stdout, shown)
+        tail.print_new()
     first = failures.first(run_dir)
     if first is not None:  # a rank failed (and srun --kill-on-bad-exit ended the others)
         raise failures.report(first, str(paths[first.rank].stderr))
@@ -345,17 +346,3 @@ def step_result(folder: Path, run_dir: str, code: int) -> RunResult:
     if code or not result_file.exists():
         raise RankFailedError(f"srun in allocation {os.environ['SLURM_JOB_ID']} failed with exit code {code}")
     return rank_result(pickle_load(result_file))
-
-
-def _print_new(path: Path, shown: int) -> int:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return shown
-    complete = text.rfind("\n") + 1  # a line still being written is shown next time
-    # submitit's own bookkeeping lines are not the user's output
-    for line in text[shown:complete].splitlines(keepends=True):
-        if "submitit " not in line:
-            sys.stdout.write(line)
-    sys.stdout.flush()
-    return max(shown, complete)

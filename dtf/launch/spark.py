@@ -20,7 +20,6 @@ import shutil
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from omegaconf import DictConfig
 from dtf import failures
 from dtf.config.schema import SparkLauncherConfig
 from dtf.errors import RankFailedError, UserError
-from dtf.launch.base import Launcher, WorkerFn, rank_result
+from dtf.launch.base import Launcher, LogTail, WorkerFn, rank_result
 from dtf.results import RunResult
 
 LOG_DIR = "logs/spark"
@@ -63,20 +62,16 @@ def _output_to(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[Any]) -> Iterator[Any]:
     """One barrier task = one rank."""
     from pyspark import BarrierTaskContext
 
+    from dtf.dist.env import free_port
+
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
-    port = ctx.allGather(str(_free_port()) if rank == 0 else "")[0]
+    port = ctx.allGather(str(free_port()) if rank == 0 else "")[0]
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(len(hosts)),
@@ -129,7 +124,8 @@ class SparkLauncher(Launcher):
         failures.clear(run_dir)
         rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()
         stop_tail = threading.Event()
-        tail = threading.Thread(target=_tail, args=(_log_path(run_dir, 0), stop_tail), daemon=True)
+        # Rank 0's log streams to the driver's terminal while the stage runs.
+        tail = threading.Thread(target=LogTail(_log_path(run_dir, 0)).follow, args=(stop_tail,), daemon=True)
         tail.start()
         try:
             results = rdd.mapPartitions(lambda it: run_barrier_task(fn, cfg, run_dir, it)).collect()
@@ -177,23 +173,6 @@ class SparkLauncher(Launcher):
         for key, value in conf.items():
             builder = builder.config(key, value)
         return builder.getOrCreate()
-
-
-def _tail(path: Path, stop: threading.Event) -> None:
-    """Streams rank 0's log to the driver's terminal while the stage runs."""
-    shown = 0
-    while True:
-        done = stop.is_set()
-        with contextlib.suppress(OSError):
-            text = path.read_text(errors="replace")
-            complete = text.rfind("\n") + 1
-            if complete > shown:
-                sys.stdout.write(text[shown:complete])
-                sys.stdout.flush()
-                shown = complete
-        if done:
-            return
-        time.sleep(0.5)
 
 
 def _failure(e: Exception, run_dir: str) -> UserError:

@@ -14,17 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
 
 from dtf.config.schema import TrainerConfig
-from dtf.data.even import batch_size_of, take_first
+from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
 from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.control import StepControl
-from dtf.train.logging import Progress, TensorBoard
 from dtf.train.metrics import MeanMetric
+from dtf.train.progress import Progress, TensorBoard
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
 
@@ -35,13 +34,6 @@ def supervised_step(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.T
     """The default step: batch = (inputs, targets); the loss of model(inputs) against targets."""
     inputs, targets = batch
     return loss_fn(model(inputs), targets)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch with its tensors on device, its containers (dicts, lists, tuples, namedtuples) kept."""
-    if device.type == "cpu":
-        return batch
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
 class Trainer:

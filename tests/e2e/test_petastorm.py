@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dtf.data.parquet_plan import EpochOrder, batches_per_rank, train_share
+from dtf.data.parquet.plan import EpochOrder, batches_per_rank, train_share
 from dtf.data.prepare import build_splits, write_parquet
 from tests.conftest import DtfRun, run_dtf
 from tests.helpers import user_datasets

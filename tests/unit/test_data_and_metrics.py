@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
+from dtf.data.batch import batch_size_of, take_first
 from dtf.data.datasets import digits, scalar_field
-from dtf.data.even import EvalShardSampler, batch_size_of, take_first
+from dtf.data.samplers import EvalShardSampler
 from dtf.train.metrics import MeanMetric
 from tests.helpers.gloo import run_on_ranks
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
-from dtf.data import loader, parquet
-from dtf.data.parquet_plan import EpochOrder, train_share
+from dtf.data import loader
+from dtf.data.parquet import data as parquet
+from dtf.data.parquet.plan import EpochOrder, train_share
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from tests.helpers.gloo import run_on_ranks

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dtf.data.parquet_plan import (
+from dtf.data.parquet.plan import (
     EpochOrder,
     Segment,
     batches_per_rank,

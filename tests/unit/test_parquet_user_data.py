@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dtf.config.schema import PetastormDataConfig
-from dtf.data import parquet
+from dtf.data.parquet import data as parquet
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from tests.helpers import user_datasets

@@ -172,8 +172,7 @@ def test_namedtuple_batches_train_and_evaluate_like_tuples(tmp_path: Path) -> No
 
 
 def test_batches_keep_their_container_types_when_moved_or_cut() -> None:
-    from dtf.data.even import take_first
-    from dtf.train.trainer import to_device
+    from dtf.data.batch import take_first, to_device
 
     batch = {"pair": Sample(torch.ones(4, 2), torch.arange(4)), "list": [torch.zeros(4)], "name": "b"}
     moved = to_device(batch, torch.device("meta"))  # any device but the CPU takes the moving path

@@ -1,7 +1,7 @@
 """`data=petastorm`: Parquet or a Petastorm dataset as train and test batches, equal in number on every rank.
 
-Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet_plan),
-reads the row groups its share touches through Petastorm (dtf.data.parquet_reader) and
+Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet.plan),
+reads the row groups its share touches through Petastorm (dtf.data.parquet.reader) and
 cuts them into (features, labels) batches, the shape the default training step expects.
 """
 
@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import ListConfig
 
 from dtf.config.schema import PetastormDataConfig
-from dtf.data.parquet_plan import (
+from dtf.data.parquet.plan import (
     EpochOrder,
     Segment,
     batches_per_rank,
@@ -28,8 +28,8 @@ from dtf.data.parquet_plan import (
     skip_rows,
     train_share,
 )
-from dtf.data.parquet_reader import Columns, ReaderOptions, read_segments
-from dtf.data.parquet_source import ParquetSource, open_sources
+from dtf.data.parquet.reader import Columns, ReaderOptions, read_segments
+from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 

@@ -6,7 +6,7 @@ here tags what it publishes with its row group's index, and the consumer puts th
 back into plan order (holding at most what the pool has prefetched). Petastorm lists, opens,
 decodes (Unischema codecs) and prefetches; dtf chooses which row groups, in which order, which
 of their rows, and which fields: Petastorm's Reader would infer those from the first file alone
-(see parquet_source), so the workers are started here, as the Reader starts them, with the
+(see dtf.data.parquet.source), so the workers are started here, as the Reader starts them, with the
 fields dtf found in all files.
 """
 
@@ -31,8 +31,8 @@ from petastorm.workers_pool.process_pool import ProcessPool
 from petastorm.workers_pool.thread_pool import ThreadPool
 from petastorm.workers_pool.ventilator import ConcurrentVentilator
 
-from dtf.data.parquet_plan import Segment
-from dtf.data.parquet_source import (
+from dtf.data.parquet.plan import Segment
+from dtf.data.parquet.source import (
     IMAGE_FIX,
     ParquetSource,
     first_line,
