@@ -29,6 +29,7 @@ from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
 from dtf.train.loss import TargetsLikeOutput
+from dtf.train.metrics import Metrics
 from dtf.train.progress import TensorBoard
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, supervised_step
@@ -101,6 +102,11 @@ def train(
             "(model, batch, loss_fn) -> loss that calls them"
         )
     train_data, eval_data = loader.build(run.data, env, seed=t.seed)
+    if eval_data is None and t.objective.startswith("test/") and t.objective != "test/loss":
+        raise UserError(
+            f"trainer.objective={t.objective}: this data has no test set; judge the run by train/loss "
+            "(or a train/<metric> with trainer.train_metrics=true), or give the data a test split"
+        )
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)
@@ -128,6 +134,8 @@ def train(
         eval_data=eval_data,
         tensorboard=tb,
         checkpointer=checkpointer,
+        metrics=Metrics.build(cfg.get("metrics"), env.device),
+        train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
         control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.

@@ -38,6 +38,11 @@ class LRScaling(str, Enum):
     sqrt = "sqrt"
 
 
+class ObjectiveMode(str, Enum):
+    min = "min"
+    max = "max"
+
+
 class Progress(str, Enum):
     auto = "auto"  # a bar on a TTY, plain lines otherwise
     bar = "bar"
@@ -59,6 +64,13 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     eval_every_n_epochs: int = 1
+    # What the run is judged by (summary.json's objective; sweeps compare runs by it): test/loss,
+    # train/loss, or test/<name> / train/<name> of a configured metric (e.g. test/accuracy).
+    objective: str = "test/loss"
+    objective_mode: ObjectiveMode = ObjectiveMode.min  # max for accuracy-like objectives
+    # Also compute the metrics on the training batches (an update per micro-batch); by default
+    # metrics are computed at evaluation only.
+    train_metrics: bool = False
     log_every_n_steps: int = 50
     progress: Progress = Progress.auto
     tensorboard: bool = True
@@ -98,6 +110,13 @@ class TrainerConfig:
             "trainer.warmup_start_factor",
             self.warmup_start_factor,
             "use a factor in (0, 1], or null for the default",
+        )
+        split, _, name = self.objective.partition("/")
+        require(
+            split in ("test", "train") and bool(name),
+            "trainer.objective",
+            self.objective,
+            "name a split and a value: test/loss, train/loss or test/<metric>, e.g. test/accuracy",
         )
         require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", self.log_every_n_steps, "use 1 or more")
         require(self.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", self.eval_every_n_epochs, "use 1 or more")

@@ -51,6 +51,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
     _check_strategy(cfg, run)
+    _check_metrics(cfg, run.trainer)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         require(
@@ -59,7 +60,7 @@ def validate(cfg: DictConfig) -> RunConfig:
             lr,
             "give a positive learning rate, e.g. optimizer.lr=1e-3",
         )
-    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):
+    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer", "metrics"):
         node = cfg.get(section)
         if node is not None:
             for path, target_node in _targets(node, section):
@@ -158,6 +159,66 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             from dtf.strategy.fsdp import find_blocks
 
             find_blocks(model, list(blocks))
+
+
+def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
+    """Each metric a torchmetrics Metric that fits the loss, and an objective that names one."""
+    metrics = cfg.get("metrics") or {}
+    if not isinstance(metrics, DictConfig):
+        raise UserError("metrics must map names to metric configs (metrics=rmse, metrics=[accuracy,f1], metrics=none)")
+    loss = _located(cfg.loss) if isinstance(cfg.get("loss"), DictConfig) and "_target_" in cfg.loss else None
+    for name, node in metrics.items():
+        key = "metrics." + str(name)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise UserError(
+                f"{key} has no _target_: give a torchmetrics class, e.g. {key}._target_=torchmetrics.MeanMetric"
+            )
+        _check_target(key, node)
+        cls = _located(node)
+        from torchmetrics import Metric  # only when metrics are configured
+
+        if not (isinstance(cls, type) and issubclass(cls, Metric)):
+            raise UserError(f"{key}._target_={node._target_} is not a torchmetrics Metric: use a Metric subclass")
+        if "num_classes" in node and node.num_classes is None:
+            raise UserError(
+                f"{key}.num_classes is not set (the model has no num_classes): set {key}.num_classes=<classes>"
+            )
+        _check_metric_fits_loss(key, cls, loss)
+    split, _, value = t.objective.partition("/")
+    if value != "loss" and value not in metrics:
+        names = ", ".join(f"{split}/{n}" for n in ["loss", *map(str, metrics)])
+        raise UserError(f"trainer.objective={t.objective} names no value this run computes: choose one of {names}")
+    if split == "train" and value != "loss" and not t.train_metrics:
+        raise UserError(
+            f"trainer.objective={t.objective} needs the metrics on the training batches: set trainer.train_metrics=true"
+        )
+
+
+def _located(node: DictConfig) -> Any:
+    try:
+        return _locate(str(node._target_))
+    except Exception:
+        return None  # reported by _check_target
+
+
+def _check_metric_fits_loss(key: str, metric: type, loss: Any) -> None:
+    """A regression metric cannot judge a classifier's class scores, nor a class metric a regression."""
+    from dtf.train.loss import CLASS_INDEX
+
+    regression_losses = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss)
+    if not isinstance(loss, type):
+        return
+    kind = metric.__module__.split(".")[1] if metric.__module__.startswith("torchmetrics.") else ""
+    if kind == "regression" and issubclass(loss, CLASS_INDEX):
+        raise UserError(
+            f"{key} ({metric.__name__}) judges a regression, but the loss ({loss.__name__}) trains a classifier: "
+            "pick classification metrics (metrics=accuracy) or metrics=none"
+        )
+    if kind == "classification" and issubclass(loss, regression_losses):
+        raise UserError(
+            f"{key} ({metric.__name__}) judges classes, but the loss ({loss.__name__}) trains a regression: "
+            "pick regression metrics (metrics=rmse) or metrics=none"
+        )
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:

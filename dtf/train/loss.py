@@ -46,11 +46,16 @@ class TargetsLikeOutput:
 
     def __call__(self, output: Any, target: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor):
-            if self.elementwise:
-                target = self._like_output(output, target)
-            elif self.class_index and target.is_floating_point() and target.dim() == output.dim() - 1:
-                target = self._as_indices(target)
+            target = self.shape_target(output, target)
         return self.loss_fn(output, target, *args, **kwargs)
+
+    def shape_target(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """target as the loss needs it: shaped like the output, or as class indices."""
+        if self.elementwise:
+            return self._like_output(output, target)
+        if self.class_index and target.is_floating_point() and target.dim() == output.dim() - 1:
+            return self._as_indices(target)
+        return target
 
     def _like_output(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target.shape != output.shape:

@@ -1,9 +1,17 @@
-"""Exact cross-rank averages: all-reduce (sum of value x count, count), never a mean of means."""
+"""Exact cross-rank figures: the loss as all-reduced sums (value x count, count), never a mean of
+means; the configured metrics through torchmetrics, whose states sync across ranks."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torchmetrics import Metric
+
+from dtf.errors import UserError
 
 
 class MeanMetric:
@@ -49,3 +57,104 @@ class MeanMetric:
         """The mean over every sample seen by every rank (a collective: call on all ranks)."""
         total, count = self.global_sums()
         return total / count if count else float("nan")
+
+
+class Metrics:
+    """The run's metrics (torchmetrics classes, or a user's own Metric, by _target_), fed with the
+    (output, target) pairs a step hands its loss: whatever the step function, a metric sees the
+    very samples the loss counts, with targets shaped as the loss got them. compute() syncs each
+    metric's states over the ranks (torchmetrics gathers them): sums or every sample, never a mean
+    of per-rank means."""
+
+    def __init__(self, metrics: Mapping[str, Metric], device: torch.device) -> None:
+        self.metrics = {name: m.to(device) for name, m in metrics.items()}
+
+    @classmethod
+    def build(cls, cfg: Mapping[str, Any] | None, device: torch.device) -> Metrics:
+        """The metrics section (name -> config with _target_), each metric built fresh; None: no metrics."""
+        from hydra.utils import instantiate
+
+        return cls({str(name): instantiate(node) for name, node in (cfg or {}).items()}, device)
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics)
+
+    def observing(self, loss_fn: Any) -> Any:
+        """loss_fn, also feeding these metrics with every (output, target) pair it is called with."""
+        return _Observed(loss_fn, self) if self.metrics else loss_fn
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        output = output.detach()
+        if output.is_floating_point() and output.dtype != torch.float64:
+            output = output.float()  # reduced-precision outputs: the metric's sums in float32
+        for name, metric in self.metrics.items():
+            try:
+                metric.update(output, target)
+            except (ValueError, RuntimeError) as e:
+                raise UserError(
+                    f"metrics.{name} ({type(metric).__name__}) cannot take this model's output "
+                    f"{tuple(output.shape)} with targets {tuple(target.shape)}: {str(e).splitlines()[0]}; "
+                    "pick metrics that fit the task, or metrics=none"
+                ) from None
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+    def compute(self) -> dict[str, float]:
+        """Each metric over every sample of every rank (a collective: call on all ranks)."""
+        values = {}
+        for name, metric in self.metrics.items():
+            with warnings.catch_warnings():
+                # A rank that saw no sample (more ranks than test samples) has nothing to add.
+                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+                value = metric.compute()
+            values[name] = float(value.item() if isinstance(value, torch.Tensor) else value)
+        return values
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every metric's states summed or gathered over all ranks (a collective), on the CPU."""
+        state: dict[str, dict[str, Any]] = {}
+        for name, metric in self.metrics.items():
+            with metric.sync_context(should_sync=dist.is_initialized() and dist.get_world_size() > 1):
+                state[name] = {key: _to_cpu(value) for key, value in metric.metric_state.items()}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]], holder: bool) -> None:
+        """States saved over all ranks go to one rank (holder), so that syncing counts them once."""
+        self.reset()
+        if not holder:
+            return
+        for name, metric in self.metrics.items():
+            saved = state.get(name)
+            if not saved:
+                continue
+            device = next(iter(metric.buffers()), torch.empty(0)).device
+            for key, value in saved.items():
+                moved = [v.to(device) for v in value] if isinstance(value, list) else value.to(device)
+                setattr(metric, key, moved)
+            metric._update_count = 1  # it holds samples: compute() must not warn that it saw none
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, list):
+        return [v.detach().cpu() for v in value]
+    return value.detach().cpu()
+
+
+class _Observed:
+    """A loss function that also hands each (output, target) pair, target shaped as the loss needs
+    it (TargetsLikeOutput.shape_target), to the metrics."""
+
+    def __init__(self, loss_fn: Any, metrics: Metrics) -> None:
+        self.loss_fn = loss_fn
+        self.metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:  # a step function may read the loss's settings
+        return getattr(self.loss_fn, name)
+
+    def __call__(self, output: Any, target: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor):
+            shape = getattr(self.loss_fn, "shape_target", None)
+            self.metrics.update(output, shape(output, target) if shape else target)
+        return self.loss_fn(output, target, *args, **kwargs)

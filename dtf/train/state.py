@@ -27,6 +27,16 @@ class TrainState:
     test_loss_curve: list[float] = field(default_factory=list)
     last_train_loss: float = math.nan
     last_test_loss: float | None = None
+    # Per finished epoch: {"epoch": n, "train/loss": ..., "test/loss": ..., "test/<metric>": ...}
+    # (test values in the epochs that were evaluated).
+    metrics_per_epoch: list[dict[str, float]] = field(default_factory=list)
+
+    def latest_metrics(self) -> dict[str, float]:
+        """Every value's latest figure (a test value from the latest evaluation)."""
+        latest: dict[str, float] = {}
+        for epoch in self.metrics_per_epoch:
+            latest.update({k: v for k, v in epoch.items() if k != "epoch"})
+        return latest
 
     @property
     def mid_epoch(self) -> bool:
@@ -36,12 +46,15 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [name for name in asdict(self) if name not in state]
+        added_since = {"metrics_per_epoch"}  # a checkpoint from before they existed loads without them
+        missing = [name for name in asdict(self) if name not in state and name not in added_since]
         if missing:
             raise UserError(
                 "checkpoint.resume: this checkpoint was written by an older dtf (no "
                 f"{', '.join(missing)}); start over with checkpoint.resume=never"
             )
         for name in asdict(self):
+            if name not in state:
+                continue
             value = state[name]
             setattr(self, name, list(value) if isinstance(value, list) else value)

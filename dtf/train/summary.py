@@ -17,6 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.typed import RunConfig
+from dtf.train.trainer import describe
 
 if TYPE_CHECKING:
     from dtf.train.trainer import Trainer
@@ -61,6 +62,8 @@ def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | Non
         "final_test_loss": st.last_test_loss,
         "train_loss_per_epoch": st.train_loss_curve,
         "test_loss_per_epoch": st.test_loss_curve,
+        "final_metrics": st.latest_metrics(),  # "train/loss", "test/loss", "test/<metric>", ...
+        "metrics_per_epoch": st.metrics_per_epoch,
         "samples_per_sec": st.samples_seen / st.train_seconds if st.train_seconds > 0 else None,
         "step_time_s": median_step_time(trainer.step_times, trainer.s.num_warmup_timing_steps),
         # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
@@ -96,6 +99,13 @@ def run_facts(run: RunConfig, cfg: DictConfig, trainer: Trainer) -> dict[str, An
     }
 
 
+def objective_of(run: RunConfig, has_test_set: bool) -> str:
+    """trainer.objective, where the run can compute it: the default test/loss of a run without a
+    test set is its train/loss (a test/<metric> there is refused where the data is built)."""
+    objective = run.trainer.objective
+    return "train/loss" if objective == "test/loss" and not has_test_set else objective
+
+
 def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
     """Collective, after fit(): digests the model on every rank; rank 0 exports the weights, logs
     the hparams, writes summary.json, prints the final line and returns the summary."""
@@ -105,6 +115,12 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
     if summary is None:
         return None
     summary.update(run_facts(run, cfg, trainer))
+    objective = objective_of(run, trainer.eval_data is not None)
+    summary.update(
+        objective=summary["final_metrics"].get(objective),
+        objective_name=objective,
+        objective_mode=run.trainer.objective_mode.value,
+    )
     if run.trainer.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
     hparams = {
@@ -115,16 +131,12 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
         "grad_accum_steps": run.trainer.grad_accum_steps,
         "lr_scaling": run.trainer.lr_scaling,
     }
-    metrics = {"final_train_loss": summary["final_train_loss"]}
-    if trainer.eval_data is not None:
-        metrics["final_test_loss"] = summary["final_test_loss"]
-    trainer.tb.hparams(hparams, metrics)
+    finals = summary["final_metrics"]
+    trainer.tb.hparams(hparams, {"objective": summary["objective"], **finals})
     write(run_dir, summary)
-    test = summary["final_test_loss"]
     print(
-        f"dtf: final train loss {summary['final_train_loss']:.6g}"
-        + (f", test loss {test:.6g}" if test is not None else "")
-        + f" (averaged over {trainer.env.world_size} rank(s)); "
+        f"dtf: final {describe(finals)} (over {trainer.env.world_size} rank(s)); "
+        f"{objective} {summary['objective']:.6g} ({summary['objective_mode']}); "
         f"step {summary['step_time_s'] or float('nan'):.3g}s median; summary {run_dir / SUMMARY_FILE}",
         flush=True,
     )

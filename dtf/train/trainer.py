@@ -22,7 +22,7 @@ from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
 from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.control import StepControl
-from dtf.train.metrics import MeanMetric
+from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.progress import Progress, TensorBoard
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
@@ -55,6 +55,8 @@ class Trainer:
         tensorboard: TensorBoard,
         checkpointer: Checkpointer,
         control: StepControl,
+        metrics: Metrics,
+        train_metrics: Metrics,
     ) -> None:
         self.s = settings
         self.env = env
@@ -71,6 +73,8 @@ class Trainer:
         self.control = control
         self.state = TrainState()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
+        self.metrics = metrics  # on the test set, at each evaluation
+        self.train_metrics = train_metrics  # on the current epoch's training batches (none unless asked)
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
         self.step_times: list[float] = []
@@ -120,8 +124,9 @@ class Trainer:
         epoch or the budget ends. True when the ranks agreed to stop."""
         start, self.start_batch = self.start_batch, 0
         self.train_data.set_epoch(self.state.epoch, start_batch=start)
-        if start == 0:
-            self.train_loss.reset()  # resumed mid-epoch: the epoch's sums so far came from the checkpoint
+        if start == 0:  # resumed mid-epoch: the epoch's sums so far came from the checkpoint
+            self.train_loss.reset()
+            self.train_metrics.reset()
         self.model.train()
         num_batches, accum = len(self.train_data), self.s.grad_accum_steps
         batches = iter(self.train_data)
@@ -142,7 +147,7 @@ class Trainer:
             batch = to_device(batch, self.env.device)
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
-                loss, count = self._forward_loss(batch)
+                loss, count = self._forward_loss(batch, self.train_metrics)
                 (loss / size if size > 1 else loss).backward()
             self.train_loss.update(loss, count)
         if self.s.grad_clip_norm is not None:
@@ -180,24 +185,29 @@ class Trainer:
         return stop
 
     def _end_epoch(self, progress: Progress) -> None:
+        """The epoch's figures over all ranks: its training loss (and metrics), and an evaluation
+        when one is due (always after the last epoch)."""
         st = self.state
         st.epoch += 1
         st.samples_in_epoch = 0
         st.last_train_loss = self.train_loss.compute()
         st.train_loss_curve.append(st.last_train_loss)
-        line = f"epoch {st.epoch}: train loss {st.last_train_loss:.6g}"
-        epoch_metrics = {"train/epoch_loss": st.last_train_loss}
+        figures = {"train/loss": st.last_train_loss}
+        figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
         done = st.step >= self.total_steps
         if self.eval_data is not None and (done or st.epoch % self.s.eval_every_n_epochs == 0):
-            st.last_test_loss = self.evaluate()
+            st.last_test_loss, test_metrics = self.evaluate()
             st.test_loss_curve.append(st.last_test_loss)
-            line += f", test loss {st.last_test_loss:.6g}"
-            epoch_metrics["test/loss"] = st.last_test_loss
-        progress.write(line + " (all ranks)")
-        self.tb.scalars(st.step, epoch_metrics)
+            figures["test/loss"] = st.last_test_loss
+            figures.update({f"test/{k}": v for k, v in test_metrics.items()})
+        st.metrics_per_epoch.append({"epoch": st.epoch, **figures})
+        progress.write(f"epoch {st.epoch}: {describe(figures)} (all ranks)")
+        # train/epoch_loss: the name TensorBoard logs have always had for it
+        self.tb.scalars(st.step, {"train/epoch_loss" if k == "train/loss" else k: v for k, v in figures.items()})
 
-    def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
-        out = self.step_fn(self.model, batch, self.loss_fn)
+    def _forward_loss(self, batch: Any, metrics: Metrics | None) -> tuple[torch.Tensor, int]:
+        """The step's loss and how many samples it counts; metrics see what the loss sees."""
+        out = self.step_fn(self.model, batch, metrics.observing(self.loss_fn) if metrics else self.loss_fn)
         if isinstance(out, tuple):
             loss, count = out
             return loss, int(count)
@@ -222,20 +232,25 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the test set, every sample counted exactly once across ranks."""
+    def evaluate(self) -> tuple[float, dict[str, float]]:
+        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks."""
         assert self.eval_data is not None
         self.model.eval()
-        metric = MeanMetric(self.env.device)
+        loss_sums = MeanMetric(self.env.device)
+        self.metrics.reset()
         for j, batch in enumerate(self.eval_data):
             batch = to_device(batch, self.env.device)
             real = self.eval_data.num_real_in_batch(j)
             # Padded samples (only ever at the end of a rank's share) are cut off; a batch that is
-            # all padding still runs forward so every rank makes the same collectives, weighed zero.
-            loss, count = self._forward_loss(take_first(batch, real) if real > 0 else batch)
-            metric.update(loss, count if real > 0 else 0)
+            # all padding still runs forward so every rank makes the same collectives, weighed
+            # zero and kept out of the metrics.
+            if real > 0:
+                loss, count = self._forward_loss(take_first(batch, real), self.metrics)
+                loss_sums.update(loss, count)
+            else:
+                self._forward_loss(batch, None)
         self.model.train()
-        return metric.compute()
+        return loss_sums.compute(), self.metrics.compute()
 
     # -- checkpoints -----------------------------------------------------------------------
     def app_state(self) -> dict[str, Any]:
@@ -248,6 +263,7 @@ class Trainer:
             "trainer": self.state.state_dict(),
             "epoch_loss": self.train_loss.state_dict(),
             "schedule": self.schedule.state_dict(),
+            "train_metrics": self.train_metrics.state_dict(),  # summed or gathered over the ranks
         }
 
     def resume_from(self, path: Path) -> None:
@@ -259,6 +275,7 @@ class Trainer:
             self.state.load_state_dict(saved)  # an older checkpoint: says so in one line
         self.state.load_state_dict(saved["trainer"])
         self.train_loss.load_state_dict(saved["epoch_loss"], holder=self.env.is_main)
+        self.train_metrics.load_state_dict(saved.get("train_metrics", {}), holder=self.env.is_main)
         self.resumed_from_step = self.state.step
         notes = self._seek(saved_world)
         self.total_steps = self._planned_steps()
@@ -297,3 +314,8 @@ class Trainer:
         if seen_twice:
             return [f"the global batch changed: {seen_twice} samples of epoch {epoch} are seen twice"]
         return []
+
+
+def describe(figures: dict[str, float]) -> str:
+    """train/loss 0.1, test/accuracy 0.9 -> "train loss 0.1, test accuracy 0.9"."""
+    return ", ".join(f"{name.replace('/', ' ')} {value:.6g}" for name, value in figures.items())
