@@ -18,6 +18,7 @@ from dtf.errors import UserError
 from dtf.worker import build_model
 
 CONF = Path(dtf.cli.__file__).parent / "conf"
+DOCS = Path(__file__).parents[2] / "docs"
 
 
 def options(group: str) -> list[str]:
@@ -196,28 +197,28 @@ def test_deterministic_runs_set_what_cublas_needs(tmp_path: Path, monkeypatch: p
     torch.use_deterministic_algorithms(False)
 
 
-def test_the_readme_lists_every_option_of_every_group() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+def test_the_configuration_page_lists_every_option_of_every_group() -> None:
+    page = (DOCS / "configuration.md").read_text()
     rows = {
         line.split("|")[1].strip(" `"): line.split("|")[2]
-        for line in readme.splitlines()
+        for line in page.splitlines()
         if line.startswith("| `") and line.count("|") >= 4
     }
     groups = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_"))
     for group in groups:
-        assert group in rows, f"README's config table has no row for {group}"
+        assert group in rows, f"docs/configuration.md's config table has no row for {group}"
         listed = {o.strip(" `") for o in rows[group].split(",")}
         assert set(options(group)) <= listed, (group, set(options(group)) - listed)
 
 
-def test_the_readme_gives_the_spark_launchers_default_master() -> None:
+def test_the_launchers_page_gives_the_spark_launchers_default_master() -> None:
     from dtf.config.schema import SparkLauncherConfig
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert f"`launcher.master` (default `{SparkLauncherConfig().master}`" in " ".join(readme.split())
+    page = (DOCS / "launchers.md").read_text()
+    assert f"`launcher.master` (default `{SparkLauncherConfig().master}`" in " ".join(page.split())
 
 
-def test_the_readmes_resume_example_names_a_checkpoint_the_default_job_leaves() -> None:
+def test_the_checkpoints_pages_resume_example_names_a_checkpoint_the_default_job_leaves() -> None:
     import math
     import re
 
@@ -227,6 +228,6 @@ def test_the_readmes_resume_example_names_a_checkpoint_the_default_job_leaves() 
     every, keep = cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last
     left = {steps} | {s for s in range(every, steps + 1, every)}
     left = set(sorted(left)[-keep:])
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    named = {int(n) for n in re.findall(r"checkpoints/step_(\d{9})", readme)}
+    page = (DOCS / "checkpoints.md").read_text()
+    named = {int(n) for n in re.findall(r"checkpoints/step_(\d{9})", page)}
     assert named and named <= left, (named, left)

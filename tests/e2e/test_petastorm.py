@@ -151,7 +151,7 @@ def test_a_corrupt_file_is_one_error_line_before_any_rank_starts(tmp_path: Path)
 
 
 # --- Data users already have (tests/helpers/user_datasets.py: written by Spark and pandas, not by dtf),
-# --- trained on 2 ranks with the commands of the README's "Your own data".
+# --- trained on 2 ranks with the commands of "Your own data" in docs/data.md.
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The README's example of a user's own model: mypkg.nets.Wide, here as wide.Wide."""
+"""docs/configuration.md's example of a user's own model: mypkg.nets.Wide, here as wide.Wide."""
 
 import torch
 from torch import nn
