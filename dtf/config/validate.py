@@ -163,7 +163,9 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
 
 def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
     """Each metric a torchmetrics Metric that fits the loss, and an objective that names one."""
-    metrics = cfg.get("metrics") or {}
+    metrics = cfg.get("metrics")
+    if metrics is None:
+        metrics = OmegaConf.create({})
     if not isinstance(metrics, DictConfig):
         raise UserError("metrics must map names to metric configs (metrics=rmse, metrics=[accuracy,f1], metrics=none)")
     loss = _located(cfg.loss) if isinstance(cfg.get("loss"), DictConfig) and "_target_" in cfg.loss else None
