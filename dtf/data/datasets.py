@@ -26,17 +26,23 @@ def scalar_field(
     return TensorDataset(xy[:n_train], z[:n_train]), TensorDataset(xy[n_train:], z[n_train:])
 
 
-def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 1234) -> Splits:
-    """scikit-learn's 1,797 real 8x8 digits (offline), scaled to [0, 1], normalised like MNIST
-    and resized to 1 x image_size x image_size, split train/test by a seeded permutation."""
+def digits(image_size: int = 28, margin: int = 4, test_fraction: float = 0.2, seed: int = 1234) -> Splits:
+    """scikit-learn's 1,797 real 8x8 digits (offline), scaled to [0, 1], laid out like MNIST (the
+    digit resized to fill the middle, `margin` blank pixels around it, 1 x image_size x image_size),
+    normalised like MNIST, split train/test by a seeded permutation."""
     from sklearn.datasets import load_digits
 
     if not 0.0 < test_fraction < 1.0:
         raise UserError(f"data.dataset.test_fraction={test_fraction} must be in (0, 1)")
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    if image_size != 8:
-        images = torch.nn.functional.interpolate(images, size=(image_size, image_size), mode="bilinear")
+    if not 0 <= 2 * margin < image_size:
+        raise UserError(f"data.dataset.margin={margin} leaves no room in data.dataset.image_size={image_size}")
+    inner = image_size - 2 * margin
+    if inner != 8:
+        images = torch.nn.functional.interpolate(images, size=(inner, inner), mode="bilinear")
+    # MNIST's digits sit in a blank border: the CNN's unpadded 5x5 convolutions then see all of the digit.
+    images = torch.nn.functional.pad(images, (margin, margin, margin, margin))
     images = (images - 0.1307) / 0.3081  # MNIST's normalisation, as in Horovod's example
     labels = torch.tensor(bunch.target, dtype=torch.long)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))

@@ -18,7 +18,8 @@ def test_test_metrics_on_any_world_size_equal_the_whole_test_set_in_one_process(
     run = dtf(
         "+experiment=digits_cnn",
         f"launcher.nproc={nproc}",
-        "trainer.max_steps=8",
+        "trainer.max_steps=20",
+        "scheduler=none",
         "data.batch_size=50",  # 359 = 3 x 120 - 1: the last rank's last batch is partly padding
         "metrics=[accuracy,f1,auroc]",
         "checkpoint.every_n_steps=null",

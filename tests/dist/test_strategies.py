@@ -147,7 +147,7 @@ def test_mics_meta_init_gives_every_replica_of_a_shard_the_same_weights(runs_dir
 # -- ZeRO stage 1: element-wise shards -------------------------------------------------------
 TINY_GPT = ["model._target_=embedding_lm.TinyGPT", "~model.in_features", "~model.hidden", "~model.out_features",
             "data.dataset._target_=embedding_lm.successor_tokens", "~data.dataset.low", "~data.dataset.high",
-            "loss=cross_entropy"]
+            "loss=cross_entropy", "metrics=none"]
 MEMORY_MODELS = {
     "approximator": ([], Approximator),  # one 100x100 weight holds 95% of it
     "tiny_gpt": (TINY_GPT, TinyGPT),  # ~79% of it in the token embedding

@@ -57,7 +57,14 @@ def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-u
         acc = EventAccumulator(str(events))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"train/loss_rank0", "train/lr", "train/samples_per_sec", "train/epoch_loss", "test/loss"} <= tags
+    assert {
+        "train/loss_rank0",
+        "train/lr",
+        "train/samples_per_sec",
+        "train/epoch_loss",
+        "test/loss",
+        "test/rmse",
+    } <= tags
     assert any(t.startswith("hparam/") for t in tags)
 
 

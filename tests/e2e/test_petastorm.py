@@ -176,7 +176,14 @@ def stored_rows(path: Path) -> int:
     return sum(pq.ParquetFile(f).metadata.num_rows for f in path.rglob("*.parquet"))
 
 
-USER_RUN = ["launcher.nproc=2", "trainer.max_epochs=1", "data.batch_size=8", "model.hidden=16", "loss=cross_entropy"]
+USER_RUN = [
+    "launcher.nproc=2",
+    "trainer.max_epochs=1",
+    "data.batch_size=8",
+    "model.hidden=16",
+    "loss=cross_entropy",
+    "metrics=accuracy",
+]
 
 
 @pytest.mark.slow

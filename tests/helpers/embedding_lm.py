@@ -4,7 +4,7 @@ set it learns and the optimizer recipe language models use (weight decay on matr
 
     model._target_=embedding_lm.TinyGPT ~model.in_features ~model.hidden ~model.out_features
     data.dataset._target_=embedding_lm.successor_tokens ~data.dataset.low ~data.dataset.high
-    loss=cross_entropy
+    loss=cross_entropy metrics=none
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dtf.errors import UserError
 from tests.helpers.inprocess import train_in_process
 
 # scikit-learn's digits: 1,438 training and 359 test images; a few steps of the Horovod CNN.
-DIGITS = ["+experiment=digits_cnn", "checkpoint.every_n_steps=null"]
+DIGITS = ["+experiment=digits_cnn", "scheduler=none", "data.batch_size=32", "checkpoint.every_n_steps=null"]
 
 
 def _digits_test_set() -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +50,7 @@ def test_classification_metrics_equal_a_computation_on_the_whole_test_set(tmp_pa
     s = train_in_process(
         [
             *DIGITS,
-            "trainer.max_steps=20",
+            "trainer.max_steps=45",
             "metrics=[accuracy,accuracy_top5,f1,auroc]",
             "trainer.objective=test/accuracy",
             "trainer.objective_mode=max",
