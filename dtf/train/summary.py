@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.typed import RunConfig
-from dtf.train.trainer import describe
+from dtf.train.trainer import describe, show
 
 if TYPE_CHECKING:
     from dtf.train.trainer import Trainer
@@ -136,7 +136,7 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
     write(run_dir, summary)
     print(
         f"dtf: final {describe(finals)} (over {trainer.env.world_size} rank(s)); "
-        f"{objective} {summary['objective']:.6g} ({summary['objective_mode']}); "
+        f"{objective} {show(summary['objective'])} ({summary['objective_mode']}); "
         f"step {summary['step_time_s'] or float('nan'):.3g}s median; summary {run_dir / SUMMARY_FILE}",
         flush=True,
     )

@@ -7,7 +7,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +316,10 @@ class Trainer:
         return []
 
 
-def describe(figures: dict[str, float]) -> str:
+def show(value: float | None) -> str:
+    return "null" if value is None else format(value, ".6g")
+
+
+def describe(figures: Mapping[str, float | None]) -> str:
     """train/loss 0.1, test/accuracy 0.9 -> "train loss 0.1, test accuracy 0.9"."""
-    return ", ".join(f"{name.replace('/', ' ')} {value:.6g}" for name, value in figures.items())
+    return ", ".join(f"{name.replace('/', ' ')} {show(value)}" for name, value in figures.items())
