@@ -22,6 +22,7 @@ def test_test_metrics_on_any_world_size_equal_the_whole_test_set_in_one_process(
         "scheduler=none",
         "data.batch_size=50",  # 359 = 3 x 120 - 1: the last rank's last batch is partly padding
         "metrics=[accuracy,f1,auroc]",
+        "+metrics.count._target_=user_metrics.SampleCount",  # a user's own Metric (tests/helpers)
         "checkpoint.every_n_steps=null",
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -40,6 +41,7 @@ def test_test_metrics_on_any_world_size_equal_the_whole_test_set_in_one_process(
         "loss": torch.nn.functional.nll_loss(scores, y).item(),
     }
     final = run.summary["final_metrics"]
+    assert final["test/count"] == 359  # every test sample exactly once, none of the padding
     for name, value in expected.items():
         # Counts are exact; scores computed in other batch shapes may differ in the last bits.
         assert final[f"test/{name}"] == pytest.approx(value, abs=1e-5), name
