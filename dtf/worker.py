@@ -29,6 +29,7 @@ from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
 from dtf.train.loss import TargetsLikeOutput
+from dtf.train.precision import Precision
 from dtf.train.progress import TensorBoard
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, supervised_step
@@ -93,8 +94,10 @@ def train(
         torch.use_deterministic_algorithms(True)
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(t.seed)
-    strategy = strategies.build(run.strategy)
-    model = strategy.build_model(lambda: build_model(cfg.model))
+    strategy = strategies.build(run.strategy, t.precision)
+    scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
+    precision = Precision(t.precision, env.device, scaler)
+    model = precision.convert_model(strategy.build_model(lambda: build_model(cfg.model)))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
             "model builds several modules: set trainer.step_fn._target_ to a function "
@@ -129,6 +132,7 @@ def train(
         tensorboard=tb,
         checkpointer=checkpointer,
         control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
+        precision=precision,
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)

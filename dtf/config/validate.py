@@ -51,6 +51,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
     _check_strategy(cfg, run)
+    _check_precision(run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         require(
@@ -158,6 +159,16 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             from dtf.strategy.fsdp import find_blocks
 
             find_blocks(model, list(blocks))
+
+
+def _check_precision(run: RunConfig) -> None:
+    """trainer.precision against this machine."""
+    t = run.trainer
+    on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if on_gpu and "bf16" in t.precision and not torch.cuda.is_bf16_supported():
+        raise UserError(
+            f"trainer.precision={t.precision}: this GPU has no bf16 arithmetic; use trainer.precision=fp16-mixed or 32"
+        )
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:

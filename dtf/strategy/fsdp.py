@@ -9,16 +9,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
-from dtf.config.schema import PRECISIONS, FSDPStrategyConfig
+from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import OptimizerFactory, Strategy
-
-DTYPES = dict(zip(PRECISIONS, (torch.bfloat16, torch.float16, torch.float32), strict=True))
+from dtf.train.precision import AUTOCAST_DTYPES
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
@@ -51,12 +52,19 @@ class FSDPStrategy(Strategy):
                 return build()
         return build()
 
+    def mixed_precision(self) -> MixedPrecisionPolicy:
+        """trainer.precision=*-mixed: parameters gathered in the low dtype (what autocast would cast
+        them to), gradients reduced in fp32 (as DDP reduces the fp32 gradients of autocast)."""
+        low = AUTOCAST_DTYPES.get(self.precision)
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def grad_scaler(self, device: torch.device) -> GradScaler:
+        # Each rank holds a shard of the gradients: the scaler all-reduces whether any overflowed.
+        return _ShardedGradScaler(device.type)
+
     def _shard_kwargs(self, env: DistEnv) -> dict[str, Any]:
         cfg = self.cfg
-        mp = MixedPrecisionPolicy(
-            param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
-            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-        )
+        mp = self.mixed_precision()
         offload: OffloadPolicy = (
             CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         )
@@ -105,6 +113,16 @@ class FSDPStrategy(Strategy):
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _no_gradient_sync(model)
+
+
+class _ShardedGradScaler(ShardedGradScaler):
+    """torch's, without DTensor's warning at every step that the (1,)-shaped overflow flag it is
+    handed beside the gradient shards is taken as replicated (which is what the scaler means)."""
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
+            super().unscale_(optimizer)
 
 
 def _roots(model: nn.Module) -> list[FSDPModule]:

@@ -7,6 +7,7 @@ import itertools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from dtf.strategy.base import Strategy
 from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.control import StepControl
 from dtf.train.metrics import MeanMetric
+from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
@@ -55,6 +57,7 @@ class Trainer:
         tensorboard: TensorBoard,
         checkpointer: Checkpointer,
         control: StepControl,
+        precision: Precision | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -69,6 +72,7 @@ class Trainer:
         self.tb = tensorboard
         self.checkpointer = checkpointer
         self.control = control
+        self.precision = precision or Precision("32", env.device)
         self.state = TrainState()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
@@ -143,16 +147,22 @@ class Trainer:
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
                 loss, count = self._forward_loss(batch)
-                (loss / size if size > 1 else loss).backward()
+                self.precision.backward(loss / size if size > 1 else loss)
             self.train_loss.update(loss, count)
         if self.s.grad_clip_norm is not None:
+            self.precision.unscale(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
             self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
-        self.optimizer.step()
-        if self.model_state_bytes is None:
+        stepped = self.precision.step(self.optimizer)
+        if self.model_state_bytes is None and stepped:
             # Measured once, when parameters, gradients and optimizer state all exist.
             self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.step()
+        # A step skipped for overflowed fp16 gradients (on every rank alike) still counts: the LR
+        # schedule, the position and the budget advance with it, as in torch's AMP recipe.
+        with warnings.catch_warnings():
+            if not stepped:  # torch's warning that the scheduler stepped before the optimizer
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.schedule.step()
         self.state.step += 1
 
     def _count_samples(self, first: int, size: int) -> None:
@@ -197,7 +207,9 @@ class Trainer:
         self.tb.scalars(st.step, epoch_metrics)
 
     def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
-        out = self.step_fn(self.model, batch, self.loss_fn)
+        batch = self.precision.convert_batch(batch)
+        with self.precision.autocast():
+            out = self.step_fn(self.model, batch, self.loss_fn)
         if isinstance(out, tuple):
             loss, count = out
             return loss, int(count)
@@ -248,6 +260,7 @@ class Trainer:
             "trainer": self.state.state_dict(),
             "epoch_loss": self.train_loss.state_dict(),
             "schedule": self.schedule.state_dict(),
+            "precision": self.precision.state_dict(),  # fp16's gradient scaler; {} otherwise
         }
 
     def resume_from(self, path: Path) -> None:
@@ -259,6 +272,7 @@ class Trainer:
             self.state.load_state_dict(saved)  # an older checkpoint: says so in one line
         self.state.load_state_dict(saved["trainer"])
         self.train_loss.load_state_dict(saved["epoch_loss"], holder=self.env.is_main)
+        self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
         self.resumed_from_step = self.state.step
         notes = self._seek(saved_world)
         self.total_steps = self._planned_steps()
