@@ -24,7 +24,7 @@ from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.results import Finished, RunResult, Stopped
-from dtf.train import schedule
+from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
@@ -103,8 +103,12 @@ def train(
             "model builds several modules: set trainer.step_fn._target_ to a function "
             "(model, batch, loss_fn) -> loss that calls them"
         )
+    blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
     train_data, eval_data = loader.build(run.data, env, seed=t.seed)
+    unwrapped = model
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
+    # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
+    blocks.compile_model(unwrapped, t.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)
 

@@ -22,15 +22,20 @@ from dtf.strategy.base import OptimizerFactory, Strategy
 from dtf.train.precision import AUTOCAST_DTYPES
 
 
-def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
-    """The modules sharded as units of their own (never the root), outermost first."""
+def find_blocks(
+    model: nn.Module, class_names: list[str] | None, key: str = "strategy.block_classes"
+) -> list[nn.Module]:
+    """The model's blocks (never the root), outermost first: the modules of the named classes, or
+    by default the children of every nn.Sequential / nn.ModuleList that hold parameters, else the
+    model's direct children with parameters. FSDP shards them as units; trainer.compile=blocks
+    compiles them. key: the setting that named the classes, for the error message."""
     if class_names:
         blocks = [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
-        present = {type(m).__name__ for m in model.modules()}
+        present = {type(m).__name__ for m in model.modules() if m is not model}
         missing = [n for n in class_names if n not in present]
         if missing:
             raise UserError(
-                f"strategy.block_classes: no module of class {', '.join(missing)} in the model; "
+                f"{key}: no module of class {', '.join(missing)} in the model; "
                 f"its classes are: {', '.join(sorted(present))}"
             )
         return blocks
@@ -73,11 +78,6 @@ class FSDPStrategy(Strategy):
 
     def _shard(self, module: nn.Module, env: DistEnv, kwargs: dict[str, Any]) -> nn.Module:
         blocks = find_blocks(module, self.cfg.block_classes)
-        if self.cfg.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            for block in blocks:
-                checkpoint(block)
         reshard = self.cfg.reshard_after_forward
         # Innermost first: a block inside a block must be its own unit before its parent is.
         for block in reversed(blocks):

@@ -21,6 +21,7 @@ from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
+from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.control import StepControl
 from dtf.train.metrics import MeanMetric
@@ -78,6 +79,8 @@ class Trainer:
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
         self.step_times: list[float] = []
+        self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
+        self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
         self._step_samples = 0  # samples of the latest optimizer step, over all ranks
         self._t_last = 0.0
@@ -176,6 +179,8 @@ class Trainer:
         """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
+        if self.first_step_s is None:
+            self._first_step(now - self._t_last)
         self.state.train_seconds += now - self._t_last
         self._t_last = now
         step = self.state.step
@@ -188,6 +193,19 @@ class Trainer:
         if self.checkpointer.save(step, self, last=last, force=stop):
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
+
+    def _first_step(self, seconds: float) -> None:
+        """Compilation happens in the first step: its time and what it compiled, in one line."""
+        self.first_step_s = seconds
+        if not self.s.compile:
+            return
+        self.compiled_graphs = compiled_graphs()
+        if self.env.is_main:
+            print(
+                f"dtf: first step {seconds:.3g} s (includes compilation: {self.compiled_graphs} graph(s), "
+                f"trainer.compile={str(self.s.compile).lower()})",
+                flush=True,
+            )
 
     def _end_epoch(self, progress: Progress) -> None:
         st = self.state

@@ -69,7 +69,7 @@ def test_cnn_blocks_and_fsdp_options_train_like_ddp(runs_dir: Path) -> None:
     cnn = ["+experiment=digits_cnn", "trainer.max_epochs=1", "model.dropout=0.0", "launcher.nproc=2"]
     ddp = _run(runs_dir, "cnn_ddp", *cnn)
     # activation checkpointing and CPU offload change where tensors live, never the numbers
-    fsdp = _run(runs_dir, "cnn_fsdp", *cnn, "strategy=fsdp", "strategy.activation_checkpointing=true",
+    fsdp = _run(runs_dir, "cnn_fsdp", *cnn, "strategy=fsdp", "trainer.activation_checkpointing=[Conv2d,Linear]",
                 "strategy.cpu_offload=true")
     _assert_same_training(fsdp, ddp, rel=1e-4)
 
