@@ -184,7 +184,8 @@ def _check_performance_switches(cfg: DictConfig, run: RunConfig) -> None:
     model = _meta_model(cfg)
     if model is None:
         return
-    from dtf.train.blocks import compile_targets, find_blocks
+    from dtf.strategy.fsdp import find_blocks
+    from dtf.train.blocks import compile_targets
 
     if t.activation_checkpointing:
         find_blocks(model, t.activation_checkpointing, key="trainer.activation_checkpointing")
