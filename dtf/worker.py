@@ -24,12 +24,13 @@ from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.results import Finished, RunResult, Stopped
-from dtf.train import schedule
+from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
 from dtf.train.control import StepControl
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
+from dtf.train.precision import Precision
 from dtf.train.progress import TensorBoard
 from dtf.train.stop import StopRequest
 from dtf.train.trainer import Trainer, supervised_step
@@ -94,20 +95,26 @@ def train(
         torch.use_deterministic_algorithms(True)
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(t.seed)
-    strategy = strategies.build(run.strategy)
-    model = strategy.build_model(lambda: build_model(cfg.model))
+    strategy = strategies.build(run.strategy, t.precision)
+    scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
+    precision = Precision(t.precision, env.device, scaler)
+    model = precision.convert_model(strategy.build_model(lambda: build_model(cfg.model)))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
             "model builds several modules: set trainer.step_fn._target_ to a function "
             "(model, batch, loss_fn) -> loss that calls them"
         )
+    blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
     train_data, eval_data = loader.build(run.data, env, seed=t.seed)
     if eval_data is None and t.objective.startswith("test/") and t.objective != "test/loss":
         raise UserError(
             f"trainer.objective={t.objective}: this data has no test set; judge the run by train/loss "
             "(or a train/<metric> with trainer.train_metrics=true), or give the data a test split"
         )
+    unwrapped = model
     model, optimizer = strategy.setup(model, instantiate(cfg.optimizer), env)
+    # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
+    blocks.compile_model(unwrapped, t.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(t.seed + env.rank)
 
@@ -137,6 +144,7 @@ def train(
         metrics=Metrics.build(cfg.get("metrics"), env.device),
         train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
         control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
+        precision=precision,
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)

@@ -19,8 +19,11 @@ from omegaconf import MISSING
 
 from dtf.errors import UserError, require
 
-# Names accepted by strategy.param_dtype / reduce_dtype (dtf.strategy.fsdp maps them to dtypes).
-PRECISIONS = ("bf16", "fp16", "fp32")
+# trainer.precision: 32 (fp32), *-mixed (autocast around forward and loss; fp16 adds a gradient
+# scaler), bf16-true (the parameters themselves in bf16). dtf.train.precision gives them effect.
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+# trainer.compile: no, the whole model, or each block (the modules FSDP shards as units).
+COMPILE_MODES = (False, True, "blocks")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEVICES = ("auto", "cpu", "cuda")
 # Signals a run can treat as a stop request (the same list as dtf.train.stop, without importing it).
@@ -83,8 +86,17 @@ class TrainerConfig:
     step_fn: Any = None
     # Steps left out of the median step time (start-up, allocator warm-up).
     num_warmup_timing_steps: int = 5
+    # The same switches for every strategy (dtf.train.precision, dtf.train.blocks):
+    # 32, bf16-mixed, fp16-mixed (autocast; fp16 with a gradient scaler) or bf16-true (bf16 parameters).
+    precision: str = "32"
+    # false, true (torch.compile the model) or blocks (compile each block, as FSDP shards them).
+    compile: bool | str = False
+    # Class names of the modules whose activations are recomputed in backward instead of stored
+    # (e.g. [TransformerEncoderLayer]); null: none.
+    activation_checkpointing: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self._check_performance_switches()
         require(self.max_epochs >= 1, "trainer.max_epochs", self.max_epochs, "train at least one epoch")
         require(
             self.max_steps is None or self.max_steps >= 1,
@@ -137,6 +149,26 @@ class TrainerConfig:
         )
         require(
             self.device in DEVICES, "trainer.device", self.device, f"choose {', '.join(DEVICES[:-1])} or {DEVICES[-1]}"
+        )
+
+    def _check_performance_switches(self) -> None:
+        require(
+            self.precision in PRECISIONS,
+            "trainer.precision",
+            self.precision,
+            f"choose one of {', '.join(PRECISIONS)}",
+        )
+        require(
+            self.compile in COMPILE_MODES,
+            "trainer.compile",
+            self.compile,
+            "choose false, true (the whole model) or blocks (each block)",
+        )
+        require(
+            self.activation_checkpointing is None or len(self.activation_checkpointing) > 0,
+            "trainer.activation_checkpointing",
+            self.activation_checkpointing,
+            "name the block classes to recompute, e.g. [TransformerEncoderLayer], or null for none",
         )
 
     def steps_per_epoch(self, num_batches: int) -> int:
@@ -318,26 +350,42 @@ class FSDPStrategyConfig:
     block_classes: list[str] | None = None
     # Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2).
     reshard_after_forward: bool = True
-    # Mixed precision: dtype of the gathered parameters / of the gradient reduction (bf16, fp16, fp32).
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
     # Keep the sharded parameters, gradients and optimizer state in host memory.
     cpu_offload: bool = False
-    # Recompute each block's activations in backward instead of storing them.
-    activation_checkpointing: bool = False
     # Build the model on the meta device and materialise only this rank's shards (initialised by
     # each module's reset_parameters, seeded with seed + the shard's index: replicas of a shard agree).
     meta_init: bool = False
+    # Retired: trainer.precision and trainer.activation_checkpointing say these for every strategy
+    # (trainer.precision=bf16-mixed sets FSDP's MixedPrecisionPolicy). Set, they are refused in one line.
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    activation_checkpointing: Any = None
 
     def __post_init__(self) -> None:
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, key)
-            require(
-                value is None or value in PRECISIONS,
-                f"strategy.{key}",
-                value,
-                f"choose one of {', '.join(PRECISIONS)} or null",
-            )
+        refuse_retired_keys(self.param_dtype, self.reduce_dtype, self.activation_checkpointing)
+
+
+# What strategy.param_dtype meant, as a trainer.precision.
+_RETIRED_DTYPES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "32"}
+
+
+def refuse_retired_keys(param_dtype: Any, reduce_dtype: Any, activation_checkpointing: Any) -> None:
+    """The FSDP keys that trainer settings replaced: one line naming the new key."""
+    if param_dtype is not None:
+        new = _RETIRED_DTYPES.get(str(param_dtype))
+        use = f"trainer.precision={new}" if new else f"trainer.precision, one of {', '.join(PRECISIONS)}"
+        raise UserError(f"strategy.param_dtype={param_dtype} is now trainer.precision: use {use}")
+    if reduce_dtype is not None:
+        raise UserError(
+            f"strategy.reduce_dtype={reduce_dtype} is now set by trainer.precision (gradients are reduced in fp32 "
+            "under bf16-mixed and fp16-mixed): remove strategy.reduce_dtype"
+        )
+    if activation_checkpointing:
+        raise UserError(
+            f"strategy.activation_checkpointing={str(activation_checkpointing).lower()} is now "
+            "trainer.activation_checkpointing: "
+            "use trainer.activation_checkpointing=[<block class>, ...] (e.g. the classes of strategy.block_classes)"
+        )
 
 
 @dataclass

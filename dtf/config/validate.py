@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         open_sources(run.data, expected_world_size(run.launcher))
     _check_strategy(cfg, run)
     _check_metrics(cfg, run.trainer)
+    _check_performance_switches(cfg, run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         require(
@@ -149,12 +153,7 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             )
     blocks = getattr(s, "block_classes", None)
     if blocks:
-        # Build the model on the meta device (no memory, no init) to check the names now.
-        with torch.device("meta"):
-            try:
-                model = instantiate(cfg.model) if "_target_" in cfg.model else None
-            except Exception:
-                return  # the ranks will report it with its traceback
+        model = _meta_model(cfg)
         if model is not None:
             from dtf.strategy.fsdp import find_blocks
 
@@ -223,6 +222,61 @@ def _check_metric_fits_loss(key: str, metric: type, loss: Any) -> None:
         )
 
 
+def _meta_model(cfg: DictConfig) -> torch.nn.Module | None:
+    """The model built on the meta device (no memory, no init) to check names against it now;
+    None when it cannot be built here (the ranks will report why, with its traceback)."""
+    with torch.device("meta"):
+        try:
+            return instantiate(cfg.model) if "_target_" in cfg.model else None
+        except Exception:
+            return None
+
+
+def _check_performance_switches(cfg: DictConfig, run: RunConfig) -> None:
+    """trainer.precision, compile and activation_checkpointing against this machine and this model."""
+    t = run.trainer
+    on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if on_gpu and "bf16" in t.precision and not torch.cuda.is_bf16_supported():
+        raise UserError(
+            f"trainer.precision={t.precision}: this GPU has no bf16 arithmetic; use trainer.precision=fp16-mixed or 32"
+        )
+    if t.compile:
+        _check_inductor_can_build(t.compile, on_gpu)
+    if not (t.activation_checkpointing or t.compile == "blocks"):
+        return
+    model = _meta_model(cfg)
+    if model is None:
+        return
+    from dtf.strategy.fsdp import find_blocks
+    from dtf.train.blocks import compile_targets
+
+    if t.activation_checkpointing:
+        find_blocks(model, t.activation_checkpointing, key="trainer.activation_checkpointing")
+    if t.compile == "blocks" and not compile_targets(model, "blocks", getattr(run.strategy, "block_classes", None)):
+        raise UserError(
+            "trainer.compile=blocks: the model has no blocks (no nn.Sequential / nn.ModuleList children, no children "
+            "with parameters); use trainer.compile=true"
+        )
+
+
+def _check_inductor_can_build(mode: bool | str, on_gpu: bool) -> None:
+    """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++; clang++ on macOS), and
+    GPU kernels with Triton: look for them as inductor does, without compiling anything here."""
+    setting = f"trainer.compile={str(mode).lower()}"
+    if on_gpu:
+        if importlib.util.find_spec("triton") is None:
+            raise UserError(f"{setting} needs Triton to build GPU kernels: install triton, or trainer.compile=false")
+        return
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    try:
+        subprocess.run([cxx, "--version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        raise UserError(
+            f"{setting} needs a C++ compiler to build CPU kernels and {cxx} does not run: install g++ "
+            "(or set CXX to one), or use trainer.compile=false"
+        ) from None
+
+
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
     """Every config node with a _target_ below node, with its dotted path."""
     if isinstance(node, DictConfig):
@@ -231,7 +285,7 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
         for key in node:
             if key not in _HYDRA_KEYS:
                 yield from _targets(node._get_node(key), f"{path}.{key!s}")
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():  # a list setting left null
         for i, item in enumerate(node):
             yield from _targets(item, f"{path}[{i}]")
 

@@ -12,7 +12,7 @@ from dtf.strategy.fsdp import FSDPStrategy
 from dtf.strategy.mics import MicsStrategy
 from dtf.strategy.zero import zero
 
-REGISTRY: dict[str, Callable[[Any], Strategy]] = {
+REGISTRY: dict[str, Callable[[Any, str], Strategy]] = {
     "ddp": DDPStrategy,
     "zero": zero,
     "fsdp": FSDPStrategy,
@@ -20,5 +20,5 @@ REGISTRY: dict[str, Callable[[Any], Strategy]] = {
 }
 
 
-def build(cfg: StrategyConfig) -> Strategy:
-    return REGISTRY[cfg.name](cfg)
+def build(cfg: StrategyConfig, precision: str = "32") -> Strategy:
+    return REGISTRY[cfg.name](cfg, precision)

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,9 +26,10 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class Strategy(ABC):
     name: str
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, precision: str = "32") -> None:
         self.cfg = cfg  # the strategy's config dataclass (dtf.config.schema)
         self.name = cfg.name  # what the user chose (zero, even when FSDP2 runs it)
+        self.precision = precision  # trainer.precision (the FSDP2 family sets its MixedPrecisionPolicy by it)
 
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
@@ -53,6 +55,11 @@ class Strategy(ABC):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def grad_scaler(self, device: torch.device) -> GradScaler:
+        """fp16-mixed's gradient scaler. Here every rank holds the same (averaged) gradients, so each
+        decides alike whether they overflowed."""
+        return GradScaler(device.type)
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
         """Builds the model where this strategy wants it (strategies with delayed init: on meta)."""

@@ -9,27 +9,33 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
-from dtf.config.schema import PRECISIONS, FSDPStrategyConfig
+from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import OptimizerFactory, Strategy
+from dtf.train.precision import AUTOCAST_DTYPES
 
-DTYPES = dict(zip(PRECISIONS, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 
-
-def find_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
-    """The modules sharded as units of their own (never the root), outermost first."""
+def find_blocks(
+    model: nn.Module, class_names: list[str] | None, key: str = "strategy.block_classes"
+) -> list[nn.Module]:
+    """The model's blocks (never the root), outermost first: the modules of the named classes, or
+    by default the children of every nn.Sequential / nn.ModuleList that hold parameters, else the
+    model's direct children with parameters. FSDP shards them as units; trainer.compile=blocks
+    compiles them. key: the setting that named the classes, for the error message."""
     if class_names:
         blocks = [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
-        present = {type(m).__name__ for m in model.modules()}
+        present = {type(m).__name__ for m in model.modules() if m is not model}
         missing = [n for n in class_names if n not in present]
         if missing:
             raise UserError(
-                f"strategy.block_classes: no module of class {', '.join(missing)} in the model; "
+                f"{key}: no module of class {', '.join(missing)} in the model; "
                 f"its classes are: {', '.join(sorted(present))}"
             )
         return blocks
@@ -51,12 +57,19 @@ class FSDPStrategy(Strategy):
                 return build()
         return build()
 
+    def mixed_precision(self) -> MixedPrecisionPolicy:
+        """trainer.precision=*-mixed: parameters gathered in the low dtype (what autocast would cast
+        them to), gradients reduced in fp32 (as DDP reduces the fp32 gradients of autocast)."""
+        low = AUTOCAST_DTYPES.get(self.precision)
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def grad_scaler(self, device: torch.device) -> GradScaler:
+        # Each rank holds a shard of the gradients: the scaler all-reduces whether any overflowed.
+        return _ShardedGradScaler(device.type)
+
     def _shard_kwargs(self, env: DistEnv) -> dict[str, Any]:
         cfg = self.cfg
-        mp = MixedPrecisionPolicy(
-            param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
-            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-        )
+        mp = self.mixed_precision()
         offload: OffloadPolicy = (
             CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         )
@@ -65,11 +78,6 @@ class FSDPStrategy(Strategy):
 
     def _shard(self, module: nn.Module, env: DistEnv, kwargs: dict[str, Any]) -> nn.Module:
         blocks = find_blocks(module, self.cfg.block_classes)
-        if self.cfg.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            for block in blocks:
-                checkpoint(block)
         reshard = self.cfg.reshard_after_forward
         # Innermost first: a block inside a block must be its own unit before its parent is.
         for block in reversed(blocks):
@@ -105,6 +113,16 @@ class FSDPStrategy(Strategy):
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _no_gradient_sync(model)
+
+
+class _ShardedGradScaler(ShardedGradScaler):
+    """torch's, without DTensor's warning at every step that the (1,)-shaped overflow flag it is
+    handed beside the gradient shards is taken as replicated (which is what the scaler means)."""
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
+            super().unscale_(optimizer)
 
 
 def _roots(model: nn.Module) -> list[FSDPModule]:

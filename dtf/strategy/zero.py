@@ -15,14 +15,14 @@ from dtf.strategy.fsdp import FSDPStrategy
 from dtf.strategy.zero1 import Zero1Strategy
 
 
-def zero(cfg: ZeroStrategyConfig) -> Strategy:
+def zero(cfg: ZeroStrategyConfig, precision: str = "32") -> Strategy:
     """The strategy of a ZeRO stage; whatever runs underneath, it is named (and reports as) zero."""
     if cfg.stage == 1:
-        return Zero1Strategy(DDPStrategyConfig(name="zero"))
+        return Zero1Strategy(DDPStrategyConfig(name="zero"), precision)
     fsdp = FSDPStrategyConfig(
         name="zero",
         reshard_after_forward=cfg.stage == 3,
         block_classes=list(cfg.block_classes) if cfg.block_classes else None,
         meta_init=cfg.meta_init,
     )
-    return FSDPStrategy(fsdp)
+    return FSDPStrategy(fsdp, precision)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +43,21 @@ def median_step_time(step_times: list[float], warmup_steps: int) -> float | None
     return statistics.median(times) if times else None
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (all of it: libraries, data, model, activations)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # kilobytes on Linux
+
+
 def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | None:
     """The loop's figures, with each rank's steps, state size and digest (a collective); the
     summary on rank 0, None elsewhere."""
     env, st, blocked = trainer.env, trainer.state, trainer.checkpointer.blocked_s
-    local = {"steps": st.step, "bytes": trainer.model_state_bytes, "digest": digest}
+    local = {"steps": st.step, "bytes": trainer.model_state_bytes, "digest": digest, "peak_rss": peak_rss_bytes()}
     gathered: list[Any] = [local]
     if dist.is_initialized() and env.world_size > 1:
         gathered = [None] * env.world_size
@@ -70,6 +81,12 @@ def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | Non
         "checkpoint_blocked_s": statistics.median(blocked) if blocked else None,
         "checkpoints_saved": len(blocked),
         "model_state_bytes": [g["bytes"] for g in gathered],
+        "peak_rss_bytes": [g["peak_rss"] for g in gathered],
+        # trainer.compile's cost: the first step of this process compiles (rank 0's time), and what it compiled.
+        "first_step_s": trainer.first_step_s,
+        "compiled_graphs": trainer.compiled_graphs,
+        # fp16-mixed: steps the gradient scaler skipped for overflowed gradients (null without a scaler).
+        "skipped_steps": trainer.precision.skipped_steps if trainer.precision.scaler is not None else None,
         "params_sha256": digest,
         # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
         "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,

@@ -7,6 +7,7 @@ import itertools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
+from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import Checkpointer, set_rng_state
 from dtf.train.control import StepControl
 from dtf.train.metrics import MeanMetric, Metrics
+from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
@@ -57,6 +60,7 @@ class Trainer:
         control: StepControl,
         metrics: Metrics,
         train_metrics: Metrics,
+        precision: Precision | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -71,6 +75,7 @@ class Trainer:
         self.tb = tensorboard
         self.checkpointer = checkpointer
         self.control = control
+        self.precision = precision or Precision("32", env.device)
         self.state = TrainState()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.metrics = metrics  # on the test set, at each evaluation
@@ -78,6 +83,8 @@ class Trainer:
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
         self.step_times: list[float] = []
+        self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
+        self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
         self._step_samples = 0  # samples of the latest optimizer step, over all ranks
         self._t_last = 0.0
@@ -148,16 +155,22 @@ class Trainer:
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
                 loss, count = self._forward_loss(batch, self.train_metrics)
-                (loss / size if size > 1 else loss).backward()
+                self.precision.backward(loss / size if size > 1 else loss)
             self.train_loss.update(loss, count)
         if self.s.grad_clip_norm is not None:
+            self.precision.unscale(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
             self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
-        self.optimizer.step()
-        if self.model_state_bytes is None:
+        stepped = self.precision.step(self.optimizer)
+        if self.model_state_bytes is None and stepped:
             # Measured once, when parameters, gradients and optimizer state all exist.
             self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.step()
+        # A step skipped for overflowed fp16 gradients (on every rank alike) still counts: the LR
+        # schedule, the position and the budget advance with it, as in torch's AMP recipe.
+        with warnings.catch_warnings():
+            if not stepped:  # torch's warning that the scheduler stepped before the optimizer
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.schedule.step()
         self.state.step += 1
 
     def _count_samples(self, first: int, size: int) -> None:
@@ -171,6 +184,8 @@ class Trainer:
         """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
+        if self.first_step_s is None:
+            self._first_step(now - self._t_last)
         self.state.train_seconds += now - self._t_last
         self._t_last = now
         step = self.state.step
@@ -183,6 +198,19 @@ class Trainer:
         if self.checkpointer.save(step, self, last=last, force=stop):
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
+
+    def _first_step(self, seconds: float) -> None:
+        """Compilation happens in the first step: its time and what it compiled, in one line."""
+        self.first_step_s = seconds
+        if not self.s.compile:
+            return
+        self.compiled_graphs = compiled_graphs()
+        if self.env.is_main:
+            print(
+                f"dtf: first step {seconds:.3g} s (includes compilation: {self.compiled_graphs} graph(s), "
+                f"trainer.compile={str(self.s.compile).lower()})",
+                flush=True,
+            )
 
     def _end_epoch(self, progress: Progress) -> None:
         """The epoch's figures over all ranks: its training loss (and metrics), and an evaluation
@@ -207,7 +235,9 @@ class Trainer:
 
     def _forward_loss(self, batch: Any, metrics: Metrics | None) -> tuple[torch.Tensor, int]:
         """The step's loss and how many samples it counts; metrics see what the loss sees."""
-        out = self.step_fn(self.model, batch, metrics.observing(self.loss_fn) if metrics else self.loss_fn)
+        batch = self.precision.convert_batch(batch)
+        with self.precision.autocast():
+            out = self.step_fn(self.model, batch, metrics.observing(self.loss_fn) if metrics else self.loss_fn)
         if isinstance(out, tuple):
             loss, count = out
             return loss, int(count)
@@ -264,6 +294,7 @@ class Trainer:
             "epoch_loss": self.train_loss.state_dict(),
             "schedule": self.schedule.state_dict(),
             "train_metrics": self.train_metrics.state_dict(),  # summed or gathered over the ranks
+            "precision": self.precision.state_dict(),  # fp16's gradient scaler; {} otherwise
         }
 
     def resume_from(self, path: Path) -> None:
@@ -276,6 +307,7 @@ class Trainer:
         self.state.load_state_dict(saved["trainer"])
         self.train_loss.load_state_dict(saved["epoch_loss"], holder=self.env.is_main)
         self.train_metrics.load_state_dict(saved.get("train_metrics", {}), holder=self.env.is_main)
+        self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
         self.resumed_from_step = self.state.step
         notes = self._seek(saved_world)
         self.total_steps = self._planned_steps()

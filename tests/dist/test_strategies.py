@@ -69,18 +69,12 @@ def test_cnn_blocks_and_fsdp_options_train_like_ddp(runs_dir: Path) -> None:
     cnn = ["+experiment=digits_cnn", "trainer.max_epochs=1", "model.dropout=0.0", "launcher.nproc=2"]
     ddp = _run(runs_dir, "cnn_ddp", *cnn)
     # activation checkpointing and CPU offload change where tensors live, never the numbers
-    fsdp = _run(runs_dir, "cnn_fsdp", *cnn, "strategy=fsdp", "strategy.activation_checkpointing=true",
+    fsdp = _run(runs_dir, "cnn_fsdp", *cnn, "strategy=fsdp", "trainer.activation_checkpointing=[Conv2d,Linear]",
                 "strategy.cpu_offload=true")
     _assert_same_training(fsdp, ddp, rel=1e-4)
 
 
-def test_bf16_mixed_precision_stays_close_to_fp32(runs_dir: Path, ddp2: DtfRun) -> None:
-    run = _run(runs_dir, "bf16", "strategy=fsdp", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32",
-               "launcher.nproc=2", *SGD)
-    # bf16 keeps ~3 significant digits: the same training, not the same bits
-    curve, reference = run.summary["train_loss_per_epoch"], ddp2.summary["train_loss_per_epoch"]
-    assert curve == pytest.approx(reference, rel=0.2)
-    assert curve[-1] < curve[0]
+# Mixed precision (trainer.precision) on every strategy: tests/dist/test_precision.py.
 
 
 # -- memory ---------------------------------------------------------------------------------
