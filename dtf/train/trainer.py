@@ -167,10 +167,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # A step skipped for overflowed fp16 gradients (on every rank alike) still counts: the LR
         # schedule, the position and the budget advance with it, as in torch's AMP recipe.
-        with warnings.catch_warnings():
-            if not stepped:  # torch's warning that the scheduler stepped before the optimizer
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+        if stepped:
             self.schedule.step()
+        else:  # without torch's warning that the scheduler stepped before the optimizer
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                self.schedule.step()
         self.state.step += 1
 
     def _count_samples(self, first: int, size: int) -> None:
