@@ -18,8 +18,8 @@ from torch import nn
 
 from dtf import failures
 from dtf import strategy as strategies
-from dtf.config.schema import PetastormDataConfig
-from dtf.config.typed import DataConfig, typed
+from dtf.config.schema import PetastormDataConfig, TrialConfig
+from dtf.config.typed import DataConfig, RunConfig, section, typed
 from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
@@ -33,7 +33,7 @@ from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
 from dtf.train.progress import TensorBoard
 from dtf.train.stop import StopRequest
-from dtf.train.trainer import Trainer, supervised_step
+from dtf.train.trainer import Pruning, Trainer, supervised_step
 
 
 def seed_everything(seed: int) -> None:
@@ -145,6 +145,7 @@ def train(
         train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
         control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
         precision=precision,
+        pruning=trial_pruning(cfg, run, eval_data is not None, env),
     )
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
@@ -186,6 +187,15 @@ def train(
     summary = run_summary.finish(run, cfg, trainer, run_dir)
     tb.close()
     return Finished(summary) if summary is not None else None
+
+
+def trial_pruning(cfg: DictConfig, run: RunConfig, has_test_set: bool, env: dist_env.DistEnv) -> Pruning | None:
+    """A trial of hydra/sweeper=dtf (its `trial` section) reports to its study and may be pruned."""
+    if cfg.get("trial") is None:
+        return None
+    from dtf.sweep.study import TrialPruning  # Optuna only where a sweep runs
+
+    return TrialPruning(section(cfg, "trial", TrialConfig), run_summary.objective_of(run, has_test_set), env)
 
 
 def previous_failure(run_dir: Path, attempt: int) -> str:

@@ -507,3 +507,16 @@ class SlurmLauncherConfig:
     @property
     def nproc(self) -> int:
         return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class TrialConfig:
+    """`trial.*`: set by hydra/sweeper=dtf on each trial it starts (never by hand). Rank 0 reports
+    the objective to the study after each evaluation and asks whether to prune."""
+
+    study: str = MISSING
+    storage: str = MISSING  # a journal file's path, or a database URL
+    id: int = MISSING  # Optuna's trial id in that storage
+    number: int = MISSING  # the trial's number in the study (its run dir's name)
+    pruner: str = "none"
+    pruner_options: dict[str, Any] = field(default_factory=dict)

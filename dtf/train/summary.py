@@ -138,6 +138,8 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
         objective_name=objective,
         objective_mode=run.trainer.objective_mode.value,
     )
+    # hydra/sweeper=dtf: a trial the search pruned ends here, after `epochs` epochs.
+    summary.update(pruned=trainer.pruned_at_epoch is not None)
     if run.trainer.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
     hparams = {

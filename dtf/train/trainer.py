@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +31,14 @@ from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
 
 StepFn = Callable[[nn.Module, Any, Callable[..., torch.Tensor]], Any]
+
+
+class Pruning(Protocol):
+    """A search that may end a trial early (hydra/sweeper=dtf): asked after every epoch."""
+
+    def should_prune(self, epoch: int, figures: Mapping[str, float | None]) -> bool:
+        """Collective: every rank calls it at the same epoch end and gets the same answer."""
+        ...
 
 
 def supervised_step(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
@@ -61,6 +69,7 @@ class Trainer:
         metrics: Metrics,
         train_metrics: Metrics,
         precision: Precision | None = None,
+        pruning: Pruning | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -76,6 +85,8 @@ class Trainer:
         self.checkpointer = checkpointer
         self.control = control
         self.precision = precision or Precision("32", env.device)
+        self.pruning = pruning
+        self.pruned_at_epoch: int | None = None  # the search pruned this trial after that epoch
         self.state = TrainState()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.metrics = metrics  # on the test set, at each evaluation
@@ -112,6 +123,10 @@ class Trainer:
                 if self._train_epoch(progress):
                     break  # stopped: the epoch's end is the resumed run's to do
                 self._end_epoch(progress)
+                if self.pruned_at_epoch is not None:
+                    # A pruned trial keeps where it got to: its checkpoint, then its summary.
+                    self.checkpointer.save(self.state.step, self, force=True)
+                    break
             self.control.close()  # the last background save is committed, no exchange left in flight
         finally:
             progress.close()
@@ -234,6 +249,9 @@ class Trainer:
         progress.write(f"epoch {st.epoch}: {describe(figures)} (all ranks)")
         # train/epoch_loss: the name TensorBoard logs have always had for it
         self.tb.scalars(st.step, {"train/epoch_loss" if k == "train/loss" else k: v for k, v in figures.items()})
+        if self.pruning is not None and not done and self.pruning.should_prune(st.epoch, figures):
+            self.pruned_at_epoch = st.epoch
+            progress.write(f"epoch {st.epoch}: pruned by the search (hydra.sweeper.pruner)")
 
     def _forward_loss(self, batch: Any, metrics: Metrics | None) -> tuple[torch.Tensor, int]:
         """The step's loss and how many samples it counts; metrics see what the loss sees."""
