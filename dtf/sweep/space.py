@@ -3,8 +3,8 @@
 - `choice(a, b, c)`: categorical.
 - `range(start, stop[, step])`: the values Hydra's range gives (stop excluded), as an int or
   float distribution with that step; `shuffle(range(...))` is categorical.
-- `interval(low, high)`: a float (an int if both ends are ints) in [low, high];
-  `tag(log, interval(...))` samples on a log scale.
+- `interval(low, high)`: a float in [low, high] (Hydra's interval is always float; integers
+  come from a range); `tag(log, interval(...))` samples on a log scale.
 - Anything else is a fixed override, passed to every trial as written.
 """
 
@@ -66,8 +66,6 @@ def distribution_of(override: Override) -> BaseDistribution:
             raise UserError(f"{key}: {override.input_line} needs interval(low, high) with low < high")
         if log and low <= 0:
             raise UserError(f"{key}: tag(log, ...) needs a positive low end, not {low}")
-        if isinstance(low, int) and isinstance(high, int):
-            return IntDistribution(low, high, log=log)
         return FloatDistribution(float(low), float(high), log=log)
     if isinstance(value, ChoiceSweep):  # a choice with a tag, e.g. tag(x, choice(...))
         return _categorical(override)

@@ -1,0 +1,145 @@
+"""hydra/sweeper=dtf without training: the search space from Hydra's override syntax, the seeded
+sequence of points (also when a sweep continues), one-line refusals, and the pruning answer that
+reaches every rank although only rank 0 asks the study."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import optuna
+import torch
+import pytest
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from dtf.config.schema import TrialConfig
+from dtf.dist.env import DistEnv
+from dtf.errors import UserError
+from dtf.sweep.space import search_space
+from dtf.sweep.study import TrialPruning, open_storage
+from dtf.sweep.sweeper import Sweep
+from tests.helpers.gloo import run_on_ranks
+
+
+def test_the_override_grammar_becomes_optuna_distributions() -> None:
+    space = search_space(
+        {"optimizer.lr": "tag(log, interval(1e-4, 1e-1))", "model.hidden": "choice(16,32,64)"},
+        ["trainer.max_epochs=3", "trainer.seed=range(0,10,3)", "optimizer=choice(adam,sgd)", "a.b=interval(1,4)"],
+    )
+    assert space.fixed == ["trainer.max_epochs=3"]
+    d = space.distributions
+    assert d["optimizer.lr"] == FloatDistribution(1e-4, 1e-1, log=True)
+    assert d["model.hidden"] == CategoricalDistribution([16, 32, 64])
+    # range's stop is excluded, as in Hydra's basic sweeper: 0, 3, 6, 9
+    assert d["trainer.seed"] == IntDistribution(0, 9, step=3)
+    assert d["optimizer"] == CategoricalDistribution(["adam", "sgd"])
+    assert d["a.b"] == FloatDistribution(1.0, 4.0)  # Hydra's interval is a float interval
+    params = {"optimizer.lr": 0.001, "model.hidden": 32, "trainer.seed": 6, "optimizer": "sgd", "a.b": 2}
+    assert space.overrides(params) == [
+        "trainer.max_epochs=3",
+        "optimizer.lr=0.001",
+        "model.hidden=32",
+        "trainer.seed=6",
+        "optimizer=sgd",
+        "a.b=2",
+    ]
+
+
+def test_the_command_line_wins_over_params_for_the_same_key() -> None:
+    space = search_space({"optimizer.lr": "interval(0.1, 0.2)"}, ["optimizer.lr=choice(0.5,0.6)"])
+    assert space.distributions == {"optimizer.lr": CategoricalDistribution([0.5, 0.6])}
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"optimizer.lr": "tag(log, interval(0, 1))"}, "positive low end"),
+        ({"optimizer.lr": "interval(0.5, 0.1)"}, "low < high"),
+        ({"trainer.seed": "range(5,1)"}, "empty range"),
+        ({"optimizer.lr": "interval(0.1"}, "hydra.sweeper.params"),
+    ],
+)
+def test_a_bad_search_space_is_one_line(params: dict[str, str], says: str) -> None:
+    with pytest.raises(UserError, match=says) as e:
+        search_space(params, [])
+    assert "\n" not in str(e.value)
+
+
+def sweep_config(sweep_dir: Path, **settings: object) -> tuple[dict[str, object], object]:
+    config = OmegaConf.create(
+        {
+            "trainer": {"objective": "test/loss", "objective_mode": "min"},
+            "hydra": {"sweep": {"dir": str(sweep_dir)}, "job": {"config_name": "config"}, "overrides": {"hydra": []}},
+        }
+    )
+    return {"params": {"optimizer.lr": "tag(log, interval(1e-5, 1e-1))"}, **settings}, config
+
+
+def suggested(sweep_dir: Path, n: int, **settings: object) -> list[float]:
+    """The first n points a sweep asks for (nothing is trained: each is told a value at once)."""
+    s, config = sweep_config(sweep_dir, **settings)
+    sweep = Sweep(s, config, [])  # type: ignore[arg-type]
+    study = sweep.open_study()
+    points = []
+    for _ in range(n):
+        trial = study.ask(sweep.space.distributions)
+        points.append(trial.params["optimizer.lr"])
+        study.tell(trial, 1.0)
+    return points
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_the_same_seed_gives_the_same_points(tmp_path: Path, sampler: str) -> None:
+    first = suggested(tmp_path / "a", 4, seed=7, sampler=sampler)
+    assert first == suggested(tmp_path / "b", 4, seed=7, sampler=sampler)
+    assert first != suggested(tmp_path / "c", 4, seed=8, sampler=sampler)
+    # A sweep that continues in the same dir goes on to new points, not the first ones again.
+    assert not set(suggested(tmp_path / "a", 2, seed=7, sampler=sampler)) & set(first)
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"pruner": "early"}, "hydra.sweeper.pruner=early: choose one of none, median, asha, hyperband"),
+        ({"parallel": 0}, "both must be >= 1"),
+        ({"params": {}}, "nothing to search"),
+    ],
+)
+def test_bad_sweeper_settings_are_one_line(tmp_path: Path, settings: dict[str, object], says: str) -> None:
+    s, config = sweep_config(tmp_path, **settings)
+    with pytest.raises(UserError, match=says):
+        Sweep(s, config, [])  # type: ignore[arg-type]
+
+
+def test_a_study_made_to_minimize_is_not_continued_to_maximize(tmp_path: Path) -> None:
+    suggested(tmp_path, 1)
+    s, config = sweep_config(tmp_path)
+    config.trainer.objective_mode = "max"  # type: ignore[attr-defined]
+    with pytest.raises(UserError, match="was made to minimize"):
+        Sweep(s, config, []).open_study()  # type: ignore[arg-type]
+
+
+def _pruning_on_rank(rank: int, world_size: int, journal: str, trial_id: int, results: str) -> None:
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+    cfg = TrialConfig(study="s", storage=journal, id=trial_id, number=1, pruner="median")
+    cfg.pruner_options = {"n_startup_trials": 1, "n_warmup_steps": 0}
+    pruning = TrialPruning(cfg, "test/loss", env)
+    assert (pruning.trial is not None) == (rank == 0)  # only rank 0 talks to the study
+    # An epoch without an evaluation reports nothing and prunes nothing (no collective either).
+    assert not pruning.should_prune(1, {"train/loss": 9.0})
+    answer = pruning.should_prune(1, {"train/loss": 9.0, "test/loss": 5.0})  # worse than the finished trial
+    Path(results, f"rank{rank}").write_text(str(answer))
+
+
+def test_the_pruning_answer_reaches_every_rank(tmp_path: Path) -> None:
+    journal = str(tmp_path / "optuna.journal")
+    study = optuna.create_study(study_name="s", storage=open_storage(journal))
+    done = study.ask()
+    done.report(1.0, 1)
+    study.tell(done, 1.0)
+    trial = study.ask()
+    run_on_ranks(_pruning_on_rank, 2, journal, trial._trial_id, str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
+    assert study.trials[1].intermediate_values == {1: 5.0}  # reported once, by rank 0
+    assert math.isclose(study.trials[0].value or 0.0, 1.0)
