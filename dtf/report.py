@@ -519,7 +519,8 @@ def summary_line(sweep: Sweep) -> str:
     finished = sum(1 for p in points if p.summary is not None and not p.pruned)
     pruned = sum(1 for p in points if p.pruned)
     missing = sum(1 for p in points if p.summary is None)
-    text = f"{len(points)} points: {finished} finished, {pruned} pruned, {missing} without a summary."
+    text = f"{len(points)} point{'s' if len(points) != 1 else ''}: {finished} finished, {pruned} pruned, "
+    text += f"{missing} without a summary."
     if sweep.objective_name is None and len(sweep.objectives_seen) > 1:
         return text + f" The points are judged by different objectives ({', '.join(sweep.objectives_seen)}): no best."
     if sweep.best is not None:
@@ -532,7 +533,7 @@ def summary_line(sweep: Sweep) -> str:
 
 def render(sweep: Sweep, sweep_dir: Path) -> str:
     rows = scaling(sweep)
-    lines = [f"# Sweep report: {sweep_dir.name}", "", summary_line(sweep), ""]
+    lines = [f"# Sweep report: {sweep_dir}", "", summary_line(sweep), ""]
     if sweep.common:
         lines += ["Every point: " + " ".join(f"`{k}={v}`" for k, v in sweep.common.items()), ""]
     lines += ["## Points", "", *table(sweep), ""]
