@@ -104,7 +104,13 @@ def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
     import json
 
     # two jobs and nothing else: no rank started a sweep of its own by re-parsing the command line
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "1", "multirun.yaml"]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
+    assert {p.name for p in (tmp_path / "sweep").iterdir() if not p.is_dir()} == {
+        "multirun.yaml",
+        "report.md",  # the sweep's report, and its plots
+        "curves.png",
+        "objective_vs_optimizer.lr.png",
+    }
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["world_size"] for s in summaries] == [2, 2]
     assert summaries[0]["final_train_loss"] != summaries[1]["final_train_loss"]
