@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 import optuna
-import torch
 import pytest
+import torch
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 

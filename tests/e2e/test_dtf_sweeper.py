@@ -1,0 +1,147 @@
+"""hydra/sweeper=dtf as a user runs it: trials side by side with the median rule pruning the poor
+ones, a report, and a killed sweep that continues without training its finished trials again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from tests.conftest import TEST_DEFAULTS, dtf_env, run_dtf
+
+SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=400", "launcher.nproc=1"]
+SEARCH = ["hydra/sweeper=dtf", "optimizer.lr=tag(log,interval(1e-6,1e-1))"]
+
+
+def trials(sweep_dir: Path) -> dict[int, dict[str, Any]]:
+    found = {}
+    for record in sweep_dir.glob("*/trial.json"):
+        with open(record) as f:
+            found[int(record.parent.name)] = json.load(f)
+    return found
+
+
+def most_at_once(records: list[dict[str, Any]]) -> int:
+    events = sorted([(r["started"], 1) for r in records] + [(r["ended"], -1) for r in records])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.slow
+def test_two_trials_at_a_time_and_the_median_rule_prunes_the_poor_ones(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    run = run_dtf(
+        [
+            *SEARCH,
+            *SMALL,
+            "trainer.max_epochs=4",
+            "hydra.sweeper.n_trials=8",
+            "hydra.sweeper.parallel=2",
+            "hydra.sweeper.pruner=median",
+            "+hydra.sweeper.pruner_options={n_startup_trials:2}",
+        ],
+        sweep_dir,
+        multirun=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = trials(sweep_dir)
+    assert sorted(records) == list(range(8))
+    states = {n: r["state"] for n, r in records.items()}
+    pruned = [n for n, state in states.items() if state == "pruned"]
+    completed = [n for n, state in states.items() if state == "complete"]
+    assert len(pruned) >= 2 and len(pruned) + len(completed) == 8, states
+    # Side by side, never more than asked: a new trial starts as soon as one ends.
+    assert most_at_once(list(records.values())) == 2
+    for n in pruned:  # stopped early, with its checkpoint and a summary that says so
+        summary = json.loads((sweep_dir / str(n) / "summary.json").read_text())
+        assert summary["pruned"] is True and summary["epochs"] < 4
+        assert list((sweep_dir / str(n) / "checkpoints").glob("step_*"))
+    for n in completed:
+        summary = json.loads((sweep_dir / str(n) / "summary.json").read_text())
+        assert summary["pruned"] is False and summary["epochs"] == 4
+        assert records[n]["value"] == summary["objective"]
+    best = min(completed, key=lambda n: records[n]["value"])
+    assert f"best trial {best}: test/loss {records[best]['value']:.6g}" in run.stdout
+    assert json.loads((sweep_dir / "best.json").read_text())["number"] == best
+    # The report: a table of every trial, and plots that open as images.
+    report = (sweep_dir / "report.md").read_text()
+    assert "pruned" in report
+    pngs = list(sweep_dir.glob("*.png"))
+    assert {"curves.png", "objective_vs_optimizer.lr.png"} <= {p.name for p in pngs}, pngs
+    for png in pngs:
+        with Image.open(png) as image:
+            image.verify()
+
+
+def sweep_processes(sweep_dir: Path) -> list[int]:
+    """PIDs of processes (the sweep's trials and their ranks) whose command line names sweep_dir."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(sweep_dir).encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_continues_without_training_its_finished_trials_again(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        *SEARCH,
+        *SMALL,
+        "launcher.nproc=2",  # the ranks of a continued trial resume together
+        "trainer.max_epochs=3",
+        "checkpoint.every_n_steps=5",
+        "hydra.sweeper.n_trials=3",
+    ]
+    cmd = [sys.executable, "-m", "dtf", "-m", *TEST_DEFAULTS, *args, f"hydra.sweep.dir={sweep_dir}"]
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=dtf_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # trial 0 done, trial 1 past its first checkpoint
+            records = trials(sweep_dir)
+            if records.get(0, {}).get("state") == "complete" and list((sweep_dir / "1" / "checkpoints").glob("step_*")):
+                break
+            assert sweep.poll() is None, "the sweep ended before it could be killed"
+            time.sleep(0.2)
+        else:
+            pytest.fail("trial 1 never reached a checkpoint")
+        finished_at = (sweep_dir / "0" / "summary.json").stat().st_mtime_ns
+        sweep.send_signal(signal.SIGKILL)  # no chance to clean up: its trials are orphans now
+        sweep.wait()
+        deadline = time.monotonic() + 120
+        while sweep_processes(sweep_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the orphaned trial got SIGTERM (its parent died) and stops at a checkpoint
+        assert not sweep_processes(sweep_dir), "a trial outlived its sweep"
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        for pid in sweep_processes(sweep_dir):
+            os.kill(pid, signal.SIGKILL)
+    assert trials(sweep_dir)[1]["state"] == "running"  # the study never heard of its end
+
+    again = run_dtf(args, sweep_dir, multirun=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "continuing the sweep" in again.stdout and "1 trial(s) finished, 1 to continue" in again.stdout
+    assert "dtf: trial 0" not in again.stdout  # finished: not trained again
+    assert (sweep_dir / "0" / "summary.json").stat().st_mtime_ns == finished_at
+    records = trials(sweep_dir)
+    assert sorted(records) == [0, 1, 2] and {r["state"] for r in records.values()} == {"complete"}
+    resumed = json.loads((sweep_dir / "1" / "summary.json").read_text())
+    assert resumed["resumed_from_step"] is not None and resumed["steps_per_rank"] == [resumed["global_step"]] * 2
+    assert records[1]["resumed"] is True
