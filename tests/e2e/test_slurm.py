@@ -15,8 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import optuna
 import pytest
 
+from dtf.sweep.study import open_storage
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.helpers.clusters import run_script, script_cluster
 
@@ -377,3 +379,33 @@ def _stop_start_with_a_running_job(env: dict[str, str]) -> None:
         finally:
             for pid in _still_running(old_job):  # what this test started, should a failed stop leave it
                 os.kill(int(pid.split()[0]), signal.SIGKILL)
+
+
+def test_a_dtf_sweeps_trials_are_slurm_jobs_side_by_side(tmp_path: Path) -> None:
+    """hydra/sweeper=dtf with launcher=slurm: each trial is a job its trial process waits for, and
+    rank 0 on the node reports to the study's journal file in the (shared) sweep dir."""
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        *SHORT,
+        "trainer.max_steps=null",
+        "trainer.max_epochs=2",
+        "launcher=slurm",
+        "launcher.tasks_per_node=1",
+        "hydra/sweeper=dtf",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.parallel=2",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+    ]
+    run = _ok(run_dtf(args, sweep_dir, multirun=True, timeout=400))
+    assert "2 completed" in run.stdout, run.stdout
+    records = [json.loads((sweep_dir / str(n) / "trial.json").read_text()) for n in range(2)]
+    assert all(r["state"] == "complete" for r in records)
+    assert max(r["started"] for r in records) < min(r["ended"] for r in records)  # both in the queue at once
+    summaries = [json.loads((sweep_dir / str(n) / "summary.json").read_text()) for n in range(2)]
+    assert {s["launcher"] for s in summaries} == {"slurm"}
+    assert len({s["slurm_job_id"] for s in summaries}) == 2
+    for s, r in zip(summaries, records, strict=True):
+        assert s["objective"] == r["value"] and s["epochs"] == 2
+    study = optuna.load_study(study_name="dtf", storage=open_storage(str(sweep_dir / "optuna.journal")))
+    for trial, s in zip(study.trials, summaries, strict=True):  # epoch 1 reported from the job's rank 0
+        assert trial.intermediate_values == {1: s["metrics_per_epoch"][0]["test/loss"]}

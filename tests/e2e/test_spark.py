@@ -125,3 +125,35 @@ def test_without_java_spark_is_refused_in_one_line_naming_it(tmp_path: Path, com
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dtf: error:") and "Java" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_dtf_sweeps_trial_runs_as_a_spark_stage_and_reports_from_an_executor(tmp_path: Path, master: str) -> None:
+    """hydra/sweeper=dtf with launcher=spark: the trial's rank 0, a barrier task on an executor,
+    reports each evaluation to the study's journal file in the sweep dir."""
+    import json
+
+    import optuna
+
+    from dtf.sweep.study import open_storage
+
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        *SHORT,
+        "trainer.max_steps=null",
+        "trainer.max_epochs=2",
+        "launcher=spark",
+        f"launcher.master={master}",
+        "hydra/sweeper=dtf",
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.pruner=median",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+    ]
+    run = _ok(run_dtf(args, sweep_dir, multirun=True, timeout=400))
+    assert "1 completed" in run.stdout, run.stdout
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["launcher"] == "spark" and summary["pruned"] is False
+    study = optuna.load_study(study_name="dtf", storage=open_storage(str(sweep_dir / "optuna.journal")))
+    (trial,) = study.trials
+    # epoch 1 reported from the executor (the last epoch is the trial's value, not a report)
+    assert trial.intermediate_values == {1: summary["metrics_per_epoch"][0]["test/loss"]}
+    assert trial.value == summary["objective"]
