@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import DtfRun, dtf_env, run_dtf
 from tests.helpers import side_venv
+from tests.helpers.clusters import script_cluster
 
 SMALL = [
     "trainer.max_epochs=1",
@@ -192,3 +195,41 @@ def test_with_the_basic_sweeper_a_failed_point_fails_the_sweep(tmp_path: Path) -
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
     assert "dtf: error: rank 0 failed" in run.stderr
     assert (tmp_path / "sweep" / "0" / "summary.json").exists()
+
+
+@pytest.fixture
+def slurm_conf(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A one-node SLURM cluster (scripts/local-slurm.sh), as the SLURM launcher tests use."""
+    with script_cluster("local-slurm.sh", "SLURM_CONF") as conf:
+        monkeypatch.setenv("SLURM_CONF", conf)
+        yield conf
+
+
+def test_on_slurm_each_trials_job_is_waited_for_before_the_next_is_chosen(
+    side_python: Path, tmp_path: Path, slurm_conf: str
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    run = _ok(
+        optuna_sweep(
+            side_python,
+            sweep_dir,
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.n_jobs=1",  # one trial asked at a time: the second is chosen knowing the first
+            "hydra.sweeper.sampler.seed=0",
+            "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+            "launcher=slurm",
+            "launcher.tasks_per_node=1",
+            *SMALL,
+        )
+    )
+    jobs = re.findall(r"submitted SLURM job (\d+)", run.stdout)
+    assert len(set(jobs)) == 2, run.stdout
+    # the first job was followed to its final line before the second was submitted; none left for the end
+    assert run.stdout.index("/sweep/0/summary.json") < run.stdout.index(f"job {jobs[1]};"), run.stdout
+    assert " done: " not in run.stdout
+    runs = points(sweep_dir)
+    summaries = {n: json.loads((d / "summary.json").read_text()) for n, d in runs.items()}
+    assert [summaries[n]["slurm_job_id"] for n in (0, 1)] == jobs
+    told = trials(side_python, sweep_dir)
+    assert [t["state"] for t in told] == ["COMPLETE", "COMPLETE"]
+    assert sorted(t["value"] for t in told) == sorted(s["objective"] for s in summaries.values())
