@@ -6,6 +6,7 @@ The config is resolved and frozen here, once, on the driver; launchers ship that
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -17,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dtf import launch
+from dtf import hydra_sweep, launch
 from dtf.config.validate import validate
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.rank import rank_main
@@ -45,23 +46,26 @@ def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
     sections = validate(cfg)
+    hydra_sweep.check_direction(sections.trainer.objective_mode.value)
     OmegaConf.set_readonly(cfg, True)
     return launch.build(sections.launcher).launch(rank_main, cfg, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:
     """A stop signal ended the run early: say where it stands and how to continue, exit EXIT_STOPPED."""
+    print(stop_line(result, run_dir) + f" (exit status {EXIT_STOPPED})", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_STOPPED)
+
+
+def stop_line(result: Stopped, run_dir: str) -> str:
     if result.checkpoint:
         where = f"at step {result.step}, saved {result.checkpoint}"
     else:
         where = "before its first checkpoint (a rerun starts from the beginning)"
-    print(
+    return (
         f"dtf: stopped by {result.signal or 'a stop signal (to another rank)'} {where}; continue with the same "
-        f"command and hydra.run.dir={run_dir} (exit status {EXIT_STOPPED})",
-        file=sys.stderr,
-        flush=True,
+        f"command and hydra.run.dir={run_dir}"
     )
-    raise SystemExit(EXIT_STOPPED)
 
 
 def report_interrupt(e: Interrupted, run_dir: str) -> NoReturn:
@@ -103,8 +107,54 @@ def _make_dir(path: str, key: str) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> Any:
-    run_dir = HydraConfig.get().runtime.output_dir
+def _hydra_main(cfg: DictConfig) -> float | None:
+    return run_point(cfg, HydraConfig.get().runtime.output_dir, value_sweep=hydra_sweep.wants_values())
+
+
+def run_point(cfg: DictConfig, run_dir: str, value_sweep: bool = False) -> float | None:
+    """One run as Hydra's task. Returns its objective (summary.json's `objective`), which a sweeper
+    that chooses by values, such as Hydra's Optuna sweeper, is told (hydra.sweeper.direction must
+    match trainer.objective_mode: dtf.hydra_sweep.check_direction refuses a mismatch); None where
+    there is no value: a SLURM job not waited for, a rank other than 0, a failed point.
+
+    A run whose ranks failed, or that a stop signal ended, exits with its status (1, 75): a failure
+    never looks clean, and Hydra's basic sweeper ends there. In a value_sweep it prints the same
+    line and returns None instead, which Hydra's Optuna sweeper records as a failed trial before it
+    goes on. So does a run whose objective is NaN (diverged). Not NaN itself: hydra-optuna-sweeper
+    1.3.0's _impl.py (OptunaSweeperImpl.sweep) does, for each job it launched,
+
+        values: Optional[List[float]] = None
+        state: optuna.trial.TrialState = optuna.trial.TrialState.COMPLETE
+        try:
+            if len(directions) == 1:
+                try:
+                    values = [float(ret.return_value)]
+                except (ValueError, TypeError):
+                    raise ValueError(
+                        f"Return value must be float-castable. Got '{ret.return_value}'."
+                    ).with_traceback(sys.exc_info()[2])
+            ...
+            study.tell(trial=trial, state=state, values=values)
+            ...
+        except Exception as e:
+            state = optuna.trial.TrialState.FAIL
+            study.tell(trial=trial, state=state, values=values)
+            log.warning(f"Failed experiment: {e}")
+            failures.append(e)
+        ...
+        if len(failures) / len(returns) > self.max_failure_rate:
+            ...
+            for ret in returns:
+                ret.return_value  # delegate raising to JobReturn, with actual traceback
+
+    A NaN passes float(), Optuna 2.10's tell refuses it (ValueError "the objective function returned
+    nan"), and the second tell, now with state FAIL but values=[nan], raises "Values cannot be
+    specified when state is ... FAIL" out of the sweep: it crashes. None fails float(), so values
+    stays None, the trial is told FAIL, and the sweep goes on: the max_failure_rate check only
+    re-raises a job's own exception (`ret.return_value` of a job that raised), and this job returned.
+    Raising here instead (any Exception) would end the sweep unless hydra.sweeper.max_failure_rate
+    allows it; a SystemExit ends it at once (Hydra's run_job catches only Exception).
+    """
     try:
         result = run(cfg, run_dir)
     except KeyboardInterrupt:  # Ctrl-C where no launcher turned it into Interrupted (waiting on SLURM, Spark)
@@ -113,6 +163,8 @@ def _hydra_main(cfg: DictConfig) -> Any:
         report_interrupt(e, run_dir)
     except RankFailedError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+        if value_sweep:
+            return None
         raise SystemExit(EXIT_FAILED) from None
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr, flush=True)
@@ -120,9 +172,16 @@ def _hydra_main(cfg: DictConfig) -> Any:
     if result is None:  # a rank other than 0 that torchrun or srun started: rank 0 reports
         return None
     if isinstance(result, Stopped):
+        if value_sweep:
+            print(stop_line(result, run_dir), file=sys.stderr, flush=True)
+            return None
         report_stop(result, run_dir)
-    # Hydra keeps what the task returns (a sweep's JobReturn): the summary, or the job id submitted.
-    return result.summary if isinstance(result, Finished) else result.job_id
+    if isinstance(result, Finished):
+        objective = result.summary.get("objective")
+        if objective is None or math.isnan(objective):
+            return None  # the final line showed it; nothing a sweeper could compare
+        return float(objective)
+    return None  # Submitted: the job runs on; its summary.json will have the objective
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dtf import failures
+from dtf import failures, hydra_sweep
 from dtf.config.schema import SlurmLauncherConfig
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.base import Launcher, LogTail, WorkerFn, in_place_result, rank_result
@@ -182,6 +182,11 @@ class SlurmLauncher(Launcher):
     def _submit(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         import submitit
 
+        if not self.cfg.wait and hydra_sweep.wants_values():
+            raise UserError(
+                "launcher.wait=false: this sweeper chooses its next points by the last ones' objectives, "
+                "which a job not waited for cannot give; drop launcher.wait=false (or sweep with Hydra's basic sweeper)"
+            )
         logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
         executor = self._executor(run_dir)
         try:
@@ -191,7 +196,9 @@ class SlurmLauncher(Launcher):
             raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None
         print(f"dtf: submitted SLURM job {job.job_id}; logs in {Path(run_dir) / JOB_FOLDER}", flush=True)
         tasks = (self.cfg.nodes * self.cfg.tasks_per_node, self.cfg.tasks_per_node)
-        if in_sweep():  # every point is submitted first; SweepJobs waits for them all at the end
+        # Hydra's basic sweeper: every point is submitted first; SweepJobs waits for them all at the end.
+        # Any other sweeper needs each point's objective before it picks the next: waited for here.
+        if hydra_sweep.in_basic_sweep():
             SUBMITTED.append((job, run_dir, *tasks))
             return Submitted(job.job_id)
         if not self.cfg.wait:
@@ -207,15 +214,8 @@ class SlurmLauncher(Launcher):
         return wait_for(job, run_dir, *tasks)
 
 
-# Jobs of this process's sweep (Hydra multirun), waited for by SweepJobs once all are submitted.
+# Jobs of this process's sweep (Hydra's basic sweeper), waited for by SweepJobs once all are submitted.
 SUBMITTED: list[tuple[Any, str, int, int]] = []
-
-
-def in_sweep() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 class SweepJobs(Callback):

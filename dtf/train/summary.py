@@ -37,6 +37,12 @@ def params_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def config_sha256(cfg: DictConfig) -> str:
+    """Digest of the config this rank trains with, as resolved: every rank of a run (and so every
+    point of a sweep, on each of its ranks) must show the one the driver resolved."""
+    return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
+
+
 def median_step_time(step_times: list[float], warmup_steps: int) -> float | None:
     """The median step time without the first steps (allocations, caches), if any are left."""
     times = step_times[min(warmup_steps, len(step_times) // 2) :]
@@ -53,11 +59,17 @@ def peak_rss_bytes() -> int | None:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # kilobytes on Linux
 
 
-def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | None:
-    """The loop's figures, with each rank's steps, state size and digest (a collective); the
-    summary on rank 0, None elsewhere."""
+def gather(trainer: Trainer, digest: str, run_dir: Path, config_digest: str) -> dict[str, Any] | None:
+    """The loop's figures, with each rank's steps, state size and digests of weights and config (a
+    collective); the summary on rank 0, None elsewhere."""
     env, st, blocked = trainer.env, trainer.state, trainer.checkpointer.blocked_s
-    local = {"steps": st.step, "bytes": trainer.model_state_bytes, "digest": digest, "peak_rss": peak_rss_bytes()}
+    local = {
+        "steps": st.step,
+        "bytes": trainer.model_state_bytes,
+        "digest": digest,
+        "peak_rss": peak_rss_bytes(),
+        "config": config_digest,
+    }
     gathered: list[Any] = [local]
     if dist.is_initialized() and env.world_size > 1:
         gathered = [None] * env.world_size
@@ -90,6 +102,9 @@ def gather(trainer: Trainer, digest: str, run_dir: Path) -> dict[str, Any] | Non
         "params_sha256": digest,
         # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
         "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,
+        # Each rank's digest of its resolved config: one config per run, whoever started the ranks.
+        "config_sha256_by_rank": [g["config"] for g in gathered],
+        "config_consistent": len({g["config"] for g in gathered}) == 1,
         "samples_seen": st.samples_seen,
         "train_seconds": st.train_seconds,
         "lr_final": trainer.optimizer.param_groups[0]["lr"],
@@ -128,7 +143,7 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
     the hparams, writes summary.json, prints the final line and returns the summary."""
     # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
     state = trainer.strategy.full_state_dict(trainer.model)
-    summary = gather(trainer, params_sha256(state), run_dir)
+    summary = gather(trainer, params_sha256(state), run_dir, config_sha256(cfg))
     if summary is None:
         return None
     summary.update(run_facts(run, cfg, trainer))
