@@ -20,9 +20,9 @@ run: $(STAMP)
 	$(BIN)/python -m dtf $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check dtf tests benchmarks
-	$(BIN)/ruff format --check dtf tests benchmarks
-	$(BIN)/mypy dtf
+	$(BIN)/ruff check dtf hydra_plugins tests benchmarks
+	$(BIN)/ruff format --check dtf hydra_plugins tests benchmarks
+	$(BIN)/mypy dtf hydra_plugins
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
