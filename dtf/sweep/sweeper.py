@@ -97,6 +97,7 @@ class Sweep:
         self.direction = "maximize" if str(getattr(mode, "value", mode)).lower() == "max" else "minimize"
         self.objective = str(config.trainer.objective)
         self.running: list[Running] = []
+        self.stopped: list[int] = []  # trials a stop signal of their own stopped (continued by the next run)
         self.stop_signal: str | None = None
 
     # -- the loop ---------------------------------------------------------------------------
@@ -203,6 +204,19 @@ class Sweep:
         code = r.process.returncode
         value = summary.get("objective") if summary and code == 0 else None
         ended = time.time()
+        r.record.update(ended=ended, seconds=ended - r.record["started"], exit_status=code)
+        if code == EXIT_STOPPED:
+            # A stop signal reached the trial alone (not the sweep): it stopped at a checkpoint, and
+            # stays running in the study, so that the next run of the sweep continues it from there.
+            r.record.update(state="stopped")
+            _write_json(trial_dir / TRIAL_FILE, r.record)
+            self.stopped.append(r.trial.number)
+            print(
+                f"dtf: trial {r.trial.number} stopped at a checkpoint (by a stop signal); the same command "
+                f"with hydra.sweep.dir={self.dir} continues it ({len(self.running)} running)",
+                flush=True,
+            )
+            return
         if summary and code == 0 and summary.get("pruned"):
             state, text = optuna.trial.TrialState.PRUNED, f"pruned after epoch {summary.get('epochs')}"
             study.tell(r.trial.number, state=state)
@@ -213,14 +227,7 @@ class Sweep:
             why = f"exit status {code}" if code != 0 else f"no finite {self.objective}"
             state, text = optuna.trial.TrialState.FAIL, f"failed ({why}; see {trial_dir / LOG_FILE})"
             study.tell(r.trial.number, state=state)
-        r.record.update(
-            state=state.name.lower(),
-            value=value,
-            exit_status=code,
-            ended=ended,
-            seconds=ended - r.record["started"],
-            epochs=summary.get("epochs") if summary else None,
-        )
+        r.record.update(state=state.name.lower(), value=value, epochs=summary.get("epochs") if summary else None)
         _write_json(trial_dir / TRIAL_FILE, r.record)
         print(f"dtf: trial {r.trial.number} {text} ({len(self.running)} running)", flush=True)
 
@@ -237,9 +244,10 @@ class Sweep:
                 self.dir / "best.json",
                 {"number": best.number, "value": best.value, "params": best.params, "objective": self.objective},
             )
+        stopped = f", {len(self.stopped)} stopped (the same command continues them)" if self.stopped else ""
         print(
-            f"dtf: sweep done: {len(trials)} trial(s), {C} completed, {P} pruned, {F} failed; {best_line}; "
-            f"study {self.s.study_name} in {self.storage}",
+            f"dtf: sweep done: {len(trials)} trial(s), {C} completed, {P} pruned, {F} failed{stopped}; "
+            f"{best_line}; study {self.s.study_name} in {self.storage}",
             flush=True,
         )
         if not C:

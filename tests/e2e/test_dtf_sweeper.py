@@ -145,3 +145,37 @@ def test_a_killed_sweep_continues_without_training_its_finished_trials_again(tmp
     resumed = json.loads((sweep_dir / "1" / "summary.json").read_text())
     assert resumed["resumed_from_step"] is not None and resumed["steps_per_rank"] == [resumed["global_step"]] * 2
     assert records[1]["resumed"] is True
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_failed_a_stopped_one_waits_for_the_next_run_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    run = run_dtf(
+        [
+            "hydra/sweeper=dtf",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.parallel=2",
+            "hydra.sweeper.sampler=random",
+            "hydra.sweeper.seed=5",  # gives: stopped, failed, completed, completed
+            # rank fail_rank raises, or sends itself a stop signal, at its 3rd forward (-1: no rank does)
+            "model._target_=user_models.FailingModel",
+            "+model.fail_rank=choice(-1,0)",
+            "+model.how=choice(raise,SIGUSR1)",
+            *SMALL,
+            "trainer.max_epochs=1",
+        ],
+        sweep_dir,
+        multirun=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = trials(sweep_dir)
+    expected = {(-1, "raise"): "complete", (-1, "SIGUSR1"): "complete", (0, "raise"): "fail", (0, "SIGUSR1"): "stopped"}
+    kinds = {n: (r["params"]["+model.fail_rank"], r["params"]["+model.how"]) for n, r in records.items()}
+    assert {n: r["state"] for n, r in records.items()} == {n: expected[k] for n, k in kinds.items()}
+    assert set(expected[k] for k in kinds.values()) == {"complete", "fail", "stopped"}, kinds
+    (failed,) = [n for n, k in kinds.items() if k == (0, "raise")]
+    assert f"dtf: trial {failed} failed (exit status 1; see {sweep_dir / str(failed) / 'trial.log'})" in run.stdout
+    assert "RuntimeError: injected failure" in (sweep_dir / str(failed) / "trial.log").read_text()
+    (stopped,) = [n for n, k in kinds.items() if k == (0, "SIGUSR1")]
+    assert f"dtf: trial {stopped} stopped at a checkpoint" in run.stdout
+    assert "2 completed, 0 pruned, 1 failed, 1 stopped (the same command continues them)" in run.stdout
