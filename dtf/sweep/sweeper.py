@@ -180,7 +180,9 @@ class Sweep:
         }
         _write_json(trial_dir / TRIAL_FILE, record)
         log = open(trial_dir / LOG_FILE, "ab")  # noqa: SIM115 (closed when the trial ends)
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.trial_env(), preexec_fn=_end_with_parent
+        )
         self.running.append(Running(frozen, process, record, log))
         how = "continues" if resumed else "started"
         params = " ".join(f"{k}={_show(v)}" for k, v in frozen.params.items())
@@ -264,6 +266,18 @@ class Sweep:
             if source.get("provider") == "command-line":
                 cmd.append(f"--config-dir={source.path.removeprefix('file://')}")
         return cmd
+
+    def trial_env(self) -> dict[str, str]:
+        """Local trials side by side share this machine's cores: each rank gets its share of
+        threads (a rank alone takes all cores; `parallel` trials of `launcher.nproc` ranks each,
+        all busy-waiting in their thread pools, would slow each other down many times over).
+        An OMP_NUM_THREADS of the user's own is kept."""
+        env = dict(os.environ)
+        launcher = self.config.get("launcher", {})
+        if "OMP_NUM_THREADS" not in env and launcher.get("name") == "local":
+            ranks = self.s.parallel * int(launcher.get("nproc", 1))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+        return env
 
     def passthrough(self) -> list[str]:
         """The sweep's own hydra.* overrides that also shape a single run (e.g. hydra.searchpath)."""
