@@ -18,6 +18,7 @@ import torch
 from dtf.results import EXIT_STOPPED
 from dtf.train.checkpoint import MARKER, committed, is_complete
 from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.helpers.inprocess import train_on_ranks
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.
 COMMON = [
@@ -83,17 +84,25 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
     ],
 )
 def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
-    tmp_path: Path, name: str, straight_ddp: DtfRun
+    tmp_path: Path, name: str, straight_ddp: DtfRun, capfd: pytest.CaptureFixture[str]
 ) -> None:
     args = [*COMMON, *STRATEGIES[name]]
-    straight = (
-        straight_ddp
-        if name in ("ddp", "ddp_async")
-        else _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
-    )
-    first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed"))
-    assert first.summary["resumed_from_step"] is None
-    resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
+    if name in ("ddp", "ddp_async"):  # through the command line, as a user resumes
+        straight = straight_ddp
+        first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed")).summary
+        resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
+    else:
+        # The sharded strategies on ranks the test starts (~1 s a run, not ~10 s through the
+        # command line; they launch as DDP does): the straight run and the first part on one start
+        # of the ranks, the resume on fresh ranks, so that all it continues from is what was saved.
+        world = 4 if name == "mics" else 2
+        whole, part = [*args, f"trainer.max_steps={N}"], [*args, f"trainer.max_steps={K}"]
+        first = train_on_ranks(world, [("straight", whole), ("resumed", part)], tmp_path)["resumed"]
+        capfd.readouterr()  # below: what the resumed run says, and nothing before it
+        train_on_ranks(world, [("resumed", whole)], tmp_path)
+        straight = DtfRun(0, "", "", tmp_path / "straight")
+        resumed = DtfRun(0, capfd.readouterr().out, "", tmp_path / "resumed")
+    assert first["resumed_from_step"] is None
     assert resumed.summary["resumed_from_step"] == K
     assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{K:09d}'}" in resumed.stdout
     _same_run(resumed, straight)
