@@ -350,12 +350,12 @@ def test_throughput_and_training_time_after_a_resume_count_each_sample_and_secon
         "trainer.log_every_n_steps=1",
         "checkpoint.every_n_steps=10",
     ]
-    _ok(run_dtf([*args, "trainer.max_steps=20"], tmp_path / "run"))  # stops inside epoch 1 (32 steps)
-    resumed = _ok(run_dtf([*args, "trainer.max_steps=40"], tmp_path / "run"))
-    s = resumed.summary
+    # on gloo ranks the test starts (the ranks' body is the one `python -m dtf` runs), the resume on fresh ranks
+    train_on_ranks(2, [("run", [*args, "trainer.max_steps=20"])], tmp_path)  # stops inside epoch 1 (32 steps)
+    s = train_on_ranks(2, [("run", [*args, "trainer.max_steps=40"])], tmp_path)["run"]
     assert s["resumed_from_step"] == 20 and s["samples_seen"] == 2000 + 8 * 64  # epoch 1 (32 steps), 8 steps more
     assert s["train_seconds"] >= 40 * 0.05  # the 20 steps before the resume count too
-    rates = _scalars(resumed.run_dir, "train/samples_per_sec")
+    rates = _scalars(tmp_path / "run", "train/samples_per_sec")
     assert max(v for step, v in rates.items() if step > 20) <= 64 / 0.05  # 64 samples per step, >= 50 ms each
 
 
