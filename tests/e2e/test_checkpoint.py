@@ -306,7 +306,10 @@ STEPS_PER_EPOCH = {1: 63, 2: 32, 4: 16}
 
 @pytest.fixture(scope="module")
 def four_epochs_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
-    return _ok(run_dtf(WORLD, tmp_path_factory.mktemp("world") / "run"))
+    # these tests' runs go through the ranks' body (the one `python -m dtf` runs) on gloo ranks they start
+    root = tmp_path_factory.mktemp("world")
+    train_on_ranks(2, [("run", WORLD)], root)
+    return DtfRun(0, "", "", root / "run")
 
 
 @pytest.mark.parametrize("nproc", [1, 4])
@@ -315,15 +318,15 @@ def test_resume_onto_another_world_size_keeps_the_budget_and_the_schedule(
 ) -> None:
     source = four_epochs_on_two_ranks
     checkpoint = source.run_dir / "checkpoints" / f"step_{64:09d}"  # the end of epoch 2
-    run = _ok(run_dtf([*WORLD, f"launcher.nproc={nproc}", f"checkpoint.resume={checkpoint}"], tmp_path / "run"))
-    s = run.summary
+    s = train_on_ranks(nproc, [("run", [*WORLD, f"checkpoint.resume={checkpoint}"])], tmp_path)["run"]
+    assert s["world_size"] == nproc
     # the budget is the one asked for: 4 epochs in all, the last 2 at this world size's steps per epoch
     assert s["epochs"] == 4 and len(s["train_loss_per_epoch"]) == 4 and len(s["test_loss_per_epoch"]) == 4
     assert s["global_step"] == 64 + 2 * STEPS_PER_EPOCH[nproc]
     assert s["samples_seen"] == source.summary["samples_seen"] == 4 * 2000
     # the cosine continues from where it was (rescaled for the world size, linear scaling) and ends on time
     before = _scalars(source.run_dir, "train/lr")
-    after = _scalars(run.run_dir, "train/lr")
+    after = _scalars(tmp_path / "run", "train/lr")
     per_step_change = abs(before[64] - before[65])
     assert after[65] == pytest.approx(before[64] * nproc / 2, abs=2 * per_step_change * nproc / 2)
     assert s["lr_final"] == pytest.approx(0.0, abs=1e-12) == source.summary["lr_final"]
@@ -333,11 +336,11 @@ def test_resume_with_a_larger_epoch_budget_on_one_rank_trains_exactly_the_epochs
     tmp_path: Path, four_epochs_on_two_ranks: DtfRun
 ) -> None:
     # the repro: 2 epochs on 2 ranks, then max_epochs=4 on 1 rank from its last checkpoint
-    first = _ok(run_dtf([*WORLD, "trainer.max_epochs=2"], tmp_path / "a"))
-    assert first.summary["epochs"] == 2
+    first = train_on_ranks(2, [("a", [*WORLD, "trainer.max_epochs=2"])], tmp_path)["a"]
+    assert first["epochs"] == 2
     checkpoint = tmp_path / "a" / "checkpoints" / f"step_{64:09d}"
-    run = _ok(run_dtf([*WORLD, "launcher.nproc=1", f"checkpoint.resume={checkpoint}"], tmp_path / "b"))
-    assert run.summary["epochs"] == 4 and run.summary["global_step"] == 64 + 2 * 63
+    run = train_on_ranks(1, [("b", [*WORLD, f"checkpoint.resume={checkpoint}"])], tmp_path)["b"]
+    assert run["world_size"] == 1 and run["epochs"] == 4 and run["global_step"] == 64 + 2 * 63
 
 
 def test_throughput_and_training_time_after_a_resume_count_each_sample_and_second_once(tmp_path: Path) -> None:
