@@ -184,8 +184,7 @@ class Sweep:
         how = "continues" if resumed else "started"
         params = " ".join(f"{k}={_show(v)}" for k, v in frozen.params.items())
         print(
-            f"dtf: trial {frozen.number} {how}: {params} "
-            f"({len(self.running)} running; log {trial_dir / LOG_FILE})",
+            f"dtf: trial {frozen.number} {how}: {params} ({len(self.running)} running; log {trial_dir / LOG_FILE})",
             flush=True,
         )
 
