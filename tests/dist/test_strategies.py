@@ -3,8 +3,9 @@ error cannot hide) and holds the per-rank memory the ZeRO paper promises.
 
 The runs go through the ranks' own body (dtf.worker.train) on gloo ranks started once per test
 (tests.helpers.inprocess.train_on_ranks): ~1 s a run instead of ~10 s through `python -m dtf`.
-What is compared here is the strategies, not the launcher; every strategy also runs through the
-command line in tests/e2e/test_checkpoint.py (resume) and tests/dist/test_precision.py."""
+What is compared here is the strategies, not the launcher (dtf.cli, dtf.launch and dtf.rank never
+look at the strategy); the command line runs FSDP in tests/dist/test_precision.py and
+tests/e2e/test_checkpoint.py, ZeRO-1 in tests/e2e/test_slurm.py."""
 
 from __future__ import annotations
 
