@@ -1,15 +1,21 @@
 """A ZeRO-1 checkpoint is DDP's checkpoint: resumed onto another world size or strategy (and a
 DDP checkpoint resumed with ZeRO-1), a run continues as the same resume done with DDP alone.
-(tests/unit/test_zero1.py checks the loaded state itself, element for element.)"""
+(tests/unit/test_zero1.py checks the loaded state itself, element for element.)
+
+The runs go through the ranks' own body (dtf.worker.train) on gloo ranks the test starts
+(tests.helpers.inprocess.train_on_ranks), ~1 s a run instead of ~10 s through `python -m dtf`:
+the saves on one start of 2 ranks, each world size's resumes on ranks started after them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import DtfRun, run_dtf
+from tests.helpers.inprocess import train_on_ranks
 
 # Adam (state to reshard), a warm-up then a step schedule (LR settings), stopped mid-epoch.
 COMMON = [
@@ -24,69 +30,65 @@ STRATEGIES = {"zero1": ["strategy=zero", "strategy.stage=1"], "ddp": ["strategy=
 SAVE = {"zero1": ["checkpoint.async_save=true"], "ddp": []}  # zero1's state is staged, then written by a thread
 
 
-def _ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+CASES = [("zero1", "ddp", 1), ("zero1", "zero1", 4), ("ddp", "zero1", 2), ("zero1", "fsdp", 2)]
+
+
+@dataclass
+class Run:
+    summary: dict[str, Any]
+    run_dir: Path
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The checkpoint at step K of a 2-rank run, by strategy."""
     root = tmp_path_factory.mktemp("saved")
-    paths = {}
-    for name in ("zero1", "ddp"):
-        args = STRATEGIES[name]
-        run = _ok(
-            run_dtf([*COMMON, *args, *SAVE[name], f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"], root / name)
-        )
-        paths[name] = run.run_dir / "checkpoints" / f"step_{K:09d}"
-    return paths
-
-
-def _resume(tmp_path: Path, tag: str, checkpoint: Path, strategy: str, world: int) -> DtfRun:
-    run = _ok(
-        run_dtf(
-            [
-                *COMMON,
-                *STRATEGIES[strategy],
-                f"launcher.nproc={world}",
-                f"trainer.max_steps={N}",
-                f"checkpoint.resume={checkpoint}",
-            ],
-            tmp_path / tag,
-        )
-    )
-    assert run.summary["resumed_from_step"] == K and run.summary["global_step"] == N
-    return run
+    runs = [
+        (name, [*COMMON, *STRATEGIES[name], *SAVE[name], f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"])
+        for name in ("zero1", "ddp")
+    ]
+    train_on_ranks(2, runs, root)
+    return {name: root / name / "checkpoints" / f"step_{K:09d}" for name, _ in runs}
 
 
 @pytest.fixture(scope="module")
-def ddp_resumed(tmp_path_factory: pytest.TempPathFactory, saved: dict[str, Path]) -> dict[int, DtfRun]:
-    """The reference, by world size: DDP's checkpoint resumed by DDP (made once, when first asked)."""
-    root = tmp_path_factory.mktemp("ddp_resumed")
+def resumed(tmp_path_factory: pytest.TempPathFactory, saved: dict[str, Path]) -> dict[tuple[str, str, int], Run]:
+    """(saved by, resumed by, world size) -> that resume; ("ddp", "ddp", world) is the reference.
+    A world size's resumes run together, on ranks started (after the saves) the first time one
+    of them is asked for."""
+    root = tmp_path_factory.mktemp("resumed")
 
-    class Runs(dict[int, DtfRun]):
-        def __missing__(self, world: int) -> DtfRun:
-            self[world] = _resume(root, f"ddp{world}", saved["ddp"], "ddp", world)
-            return self[world]
+    class Runs(dict[tuple[str, str, int], Run]):
+        def __missing__(self, key: tuple[str, str, int]) -> Run:
+            world = key[2]
+            cases = [("ddp", "ddp", world), *[c for c in CASES if c[2] == world]]
+            runs = [
+                (
+                    f"{saved_by}-{resumed_by}-{world}",
+                    [
+                        *COMMON,
+                        *STRATEGIES[resumed_by],
+                        f"trainer.max_steps={N}",
+                        f"checkpoint.resume={saved[saved_by]}",
+                    ],
+                )
+                for saved_by, resumed_by, world in cases
+            ]
+            summaries = train_on_ranks(world, runs, root)
+            for case, (name, _) in zip(cases, runs, strict=True):
+                self[case] = Run(summaries[name], root / name)
+                assert self[case].summary["resumed_from_step"] == K and self[case].summary["global_step"] == N
+                assert self[case].summary["world_size"] == world
+            return self[key]
 
     return Runs()
 
 
-@pytest.mark.parametrize(
-    ("saved_by", "resumed_by", "world"),
-    [("zero1", "ddp", 1), ("zero1", "zero1", 4), ("ddp", "zero1", 2), ("zero1", "fsdp", 2)],
-)
+@pytest.mark.parametrize(("saved_by", "resumed_by", "world"), CASES)
 def test_a_resharded_resume_continues_as_ddps_does(
-    tmp_path: Path,
-    saved: dict[str, Path],
-    ddp_resumed: dict[int, DtfRun],
-    saved_by: str,
-    resumed_by: str,
-    world: int,
+    resumed: dict[tuple[str, str, int], Run], saved_by: str, resumed_by: str, world: int
 ) -> None:
-    ours = _resume(tmp_path, "ours", saved[saved_by], resumed_by, world)
-    ddp = ddp_resumed[world]
+    ours, ddp = resumed[saved_by, resumed_by, world], resumed["ddp", "ddp", world]
     a, b = ours.summary, ddp.summary
     assert a["train_loss_per_epoch"] == pytest.approx(b["train_loss_per_epoch"], rel=1e-5)
     assert a["test_loss_per_epoch"] == pytest.approx(b["test_loss_per_epoch"], rel=1e-5)

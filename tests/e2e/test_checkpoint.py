@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from dtf.results import EXIT_STOPPED
 from dtf.train.checkpoint import MARKER, committed, is_complete
 from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.helpers.inprocess import train_on_ranks
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.
 COMMON = [
@@ -70,6 +72,20 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
     assert sa["global_step"] == sb["global_step"]
 
 
+def _resume_on_ranks(
+    capfd: pytest.CaptureFixture[str], root: Path, world: int, whole: list[str], part: list[str]
+) -> tuple[DtfRun, dict[str, Any], DtfRun]:
+    """On gloo ranks the test starts (~1 s a run, not ~10 s through the command line; the ranks'
+    body is the one `python -m dtf` runs): the straight run (whole) and the first part (part) on
+    one start of the ranks, in root/straight and root/resumed; then the rest (whole again, in
+    root/resumed) on fresh ranks, so that all it continues from is what the first part saved.
+    Returns the straight run, the first part's summary, and the resumed run with what it printed."""
+    first = train_on_ranks(world, [("straight", whole), ("resumed", part)], root)["resumed"]
+    capfd.readouterr()  # below: what the resumed run says, and nothing before it
+    train_on_ranks(world, [("resumed", whole)], root)
+    return DtfRun(0, "", "", root / "straight"), first, DtfRun(0, capfd.readouterr().out, "", root / "resumed")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -83,29 +99,30 @@ def _same_run(a: DtfRun, b: DtfRun) -> None:
     ],
 )
 def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
-    tmp_path: Path, name: str, straight_ddp: DtfRun
+    tmp_path: Path, name: str, straight_ddp: DtfRun, capfd: pytest.CaptureFixture[str]
 ) -> None:
     args = [*COMMON, *STRATEGIES[name]]
-    straight = (
-        straight_ddp
-        if name in ("ddp", "ddp_async")
-        else _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "straight"))
-    )
-    first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed"))
-    assert first.summary["resumed_from_step"] is None
-    resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
+    if name in ("ddp", "ddp_async"):  # through the command line, as a user resumes
+        straight = straight_ddp
+        first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed")).summary
+        resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
+    else:  # the sharded strategies (they launch as DDP does) on ranks the test starts
+        world = 4 if name == "mics" else 2
+        whole, part = [*args, f"trainer.max_steps={N}"], [*args, f"trainer.max_steps={K}"]
+        straight, first, resumed = _resume_on_ranks(capfd, tmp_path, world, whole, part)
+    assert first["resumed_from_step"] is None
     assert resumed.summary["resumed_from_step"] == K
     assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{K:09d}'}" in resumed.stdout
     _same_run(resumed, straight)
 
 
-def test_resume_restores_every_ranks_random_streams(tmp_path: Path) -> None:
+def test_resume_restores_every_ranks_random_streams(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # dropout draws from the per-rank RNG: without its state the resumed run would differ
     # (scheduler=none: the budget changes between the two invocations, and a schedule would re-plan)
     args = ["+experiment=digits_cnn", "scheduler=none", "model.dropout=0.5", "checkpoint.every_n_steps=10"]
-    straight = _ok(run_dtf([*args, "trainer.max_steps=40"], tmp_path / "straight"))
-    _ok(run_dtf([*args, "trainer.max_steps=25"], tmp_path / "resumed"))
-    resumed = _ok(run_dtf([*args, "trainer.max_steps=40"], tmp_path / "resumed"))
+    straight, _, resumed = _resume_on_ranks(
+        capfd, tmp_path, 2, [*args, "trainer.max_steps=40"], [*args, "trainer.max_steps=25"]
+    )
     assert resumed.summary["resumed_from_step"] == 25
     _same_run(resumed, straight)
 
@@ -249,13 +266,15 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
     _same_run(final, straight_failing)
 
 
-def test_zero1_resume_inside_the_warmup_ends_bit_for_bit_where_the_straight_run_ends(tmp_path: Path) -> None:
+def test_zero1_resume_inside_the_warmup_ends_bit_for_bit_where_the_straight_run_ends(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     # ZeroRedundancyOptimizer's local param_groups lag one scheduler step behind its own: a resume
     # that restores those would continue the warm-up from the previous step's LR, forever behind.
     args = ["strategy=zero", "strategy.stage=1", "trainer.warmup_steps=100", *COMMON[:2]]
-    straight = _ok(run_dtf([*args, "trainer.max_steps=300"], tmp_path / "straight"))
-    _ok(run_dtf([*args, "trainer.max_steps=50"], tmp_path / "resumed"))
-    resumed = _ok(run_dtf([*args, "trainer.max_steps=300"], tmp_path / "resumed"))
+    straight, _, resumed = _resume_on_ranks(
+        capfd, tmp_path, 2, [*args, "trainer.max_steps=300"], [*args, "trainer.max_steps=50"]
+    )
     assert resumed.summary["resumed_from_step"] == 50
     assert resumed.summary["lr_final"] == straight.summary["lr_final"]
     _same_run(resumed, straight)
@@ -287,7 +306,10 @@ STEPS_PER_EPOCH = {1: 63, 2: 32, 4: 16}
 
 @pytest.fixture(scope="module")
 def four_epochs_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
-    return _ok(run_dtf(WORLD, tmp_path_factory.mktemp("world") / "run"))
+    # these tests' runs go through the ranks' body (the one `python -m dtf` runs) on gloo ranks they start
+    root = tmp_path_factory.mktemp("world")
+    train_on_ranks(2, [("run", WORLD)], root)
+    return DtfRun(0, "", "", root / "run")
 
 
 @pytest.mark.parametrize("nproc", [1, 4])
@@ -296,15 +318,15 @@ def test_resume_onto_another_world_size_keeps_the_budget_and_the_schedule(
 ) -> None:
     source = four_epochs_on_two_ranks
     checkpoint = source.run_dir / "checkpoints" / f"step_{64:09d}"  # the end of epoch 2
-    run = _ok(run_dtf([*WORLD, f"launcher.nproc={nproc}", f"checkpoint.resume={checkpoint}"], tmp_path / "run"))
-    s = run.summary
+    s = train_on_ranks(nproc, [("run", [*WORLD, f"checkpoint.resume={checkpoint}"])], tmp_path)["run"]
+    assert s["world_size"] == nproc
     # the budget is the one asked for: 4 epochs in all, the last 2 at this world size's steps per epoch
     assert s["epochs"] == 4 and len(s["train_loss_per_epoch"]) == 4 and len(s["test_loss_per_epoch"]) == 4
     assert s["global_step"] == 64 + 2 * STEPS_PER_EPOCH[nproc]
     assert s["samples_seen"] == source.summary["samples_seen"] == 4 * 2000
     # the cosine continues from where it was (rescaled for the world size, linear scaling) and ends on time
     before = _scalars(source.run_dir, "train/lr")
-    after = _scalars(run.run_dir, "train/lr")
+    after = _scalars(tmp_path / "run", "train/lr")
     per_step_change = abs(before[64] - before[65])
     assert after[65] == pytest.approx(before[64] * nproc / 2, abs=2 * per_step_change * nproc / 2)
     assert s["lr_final"] == pytest.approx(0.0, abs=1e-12) == source.summary["lr_final"]
@@ -314,11 +336,11 @@ def test_resume_with_a_larger_epoch_budget_on_one_rank_trains_exactly_the_epochs
     tmp_path: Path, four_epochs_on_two_ranks: DtfRun
 ) -> None:
     # the issue's repro: 2 epochs on 2 ranks, then max_epochs=4 on 1 rank from its last checkpoint
-    first = _ok(run_dtf([*WORLD, "trainer.max_epochs=2"], tmp_path / "a"))
-    assert first.summary["epochs"] == 2
+    first = train_on_ranks(2, [("a", [*WORLD, "trainer.max_epochs=2"])], tmp_path)["a"]
+    assert first["epochs"] == 2
     checkpoint = tmp_path / "a" / "checkpoints" / f"step_{64:09d}"
-    run = _ok(run_dtf([*WORLD, "launcher.nproc=1", f"checkpoint.resume={checkpoint}"], tmp_path / "b"))
-    assert run.summary["epochs"] == 4 and run.summary["global_step"] == 64 + 2 * 63
+    run = train_on_ranks(1, [("b", [*WORLD, f"checkpoint.resume={checkpoint}"])], tmp_path)["b"]
+    assert run["world_size"] == 1 and run["epochs"] == 4 and run["global_step"] == 64 + 2 * 63
 
 
 def test_throughput_and_training_time_after_a_resume_count_each_sample_and_second_once(tmp_path: Path) -> None:
@@ -331,27 +353,39 @@ def test_throughput_and_training_time_after_a_resume_count_each_sample_and_secon
         "trainer.log_every_n_steps=1",
         "checkpoint.every_n_steps=10",
     ]
-    _ok(run_dtf([*args, "trainer.max_steps=20"], tmp_path / "run"))  # stops inside epoch 1 (32 steps)
-    resumed = _ok(run_dtf([*args, "trainer.max_steps=40"], tmp_path / "run"))
-    s = resumed.summary
+    # on gloo ranks the test starts (the ranks' body is the one `python -m dtf` runs), the resume on fresh ranks
+    train_on_ranks(2, [("run", [*args, "trainer.max_steps=20"])], tmp_path)  # stops inside epoch 1 (32 steps)
+    s = train_on_ranks(2, [("run", [*args, "trainer.max_steps=40"])], tmp_path)["run"]
     assert s["resumed_from_step"] == 20 and s["samples_seen"] == 2000 + 8 * 64  # epoch 1 (32 steps), 8 steps more
     assert s["train_seconds"] >= 40 * 0.05  # the 20 steps before the resume count too
-    rates = _scalars(resumed.run_dir, "train/samples_per_sec")
+    rates = _scalars(tmp_path / "run", "train/samples_per_sec")
     assert max(v for step, v in rates.items() if step > 20) <= 64 / 0.05  # 64 samples per step, >= 50 ms each
 
 
-def test_a_fresh_start_in_a_used_run_dir_moves_the_old_checkpoints_aside(tmp_path: Path) -> None:
+def test_a_fresh_start_in_a_used_run_dir_moves_the_old_checkpoints_aside(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # on gloo ranks the test starts (the ranks' body is the one `python -m dtf` runs): the first
+    # run and the fresh start on one start of the ranks, the default resume on fresh ranks
     run_dir = tmp_path / "run"
-    _ok(run_dtf([*COMMON, "trainer.max_steps=100"], run_dir))  # leaves steps 80 and 100
-    fresh = _ok(run_dtf([*COMMON, "trainer.max_steps=60", "checkpoint.resume=never"], run_dir))
-    assert fresh.summary["resumed_from_step"] is None
+    capfd.readouterr()
+    fresh = train_on_ranks(
+        2,
+        [
+            ("run", [*COMMON, "trainer.max_steps=100"]),  # leaves steps 80 and 100
+            ("run", [*COMMON, "trainer.max_steps=60", "checkpoint.resume=never"]),
+        ],
+        tmp_path,
+    )["run"]  # the summary.json the fresh start wrote
+    said = capfd.readouterr().out
+    assert fresh["resumed_from_step"] is None and fresh["global_step"] == 60
     assert _steps(run_dir / "checkpoints") == [40, 60]  # the new run's own, not the old run's higher steps
     aside = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.")]
     assert len(aside) == 1 and _steps(aside[0]) == [80, 100], "the old run's checkpoints are kept, not deleted"
-    assert f"moved to {aside[0]}" in fresh.stdout
+    assert f"moved to {aside[0]}" in said
     # the default (resume=auto) now continues the new run, not the old one
-    again = _ok(run_dtf([*COMMON, "trainer.max_steps=100"], run_dir))
-    assert again.summary["resumed_from_step"] == 60
+    again = train_on_ranks(2, [("run", [*COMMON, "trainer.max_steps=100"])], tmp_path)["run"]
+    assert again["resumed_from_step"] == 60
 
 
 def test_a_restarted_run_that_started_fresh_resumes_from_its_own_newest_checkpoint(
