@@ -143,3 +143,18 @@ def test_the_pruning_answer_reaches_every_rank(tmp_path: Path) -> None:
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
     assert study.trials[1].intermediate_values == {1: 5.0}  # reported once, by rank 0
     assert math.isclose(study.trials[0].value or 0.0, 1.0)
+
+
+def test_local_trials_side_by_side_split_the_cores_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s, config = sweep_config(tmp_path, parallel=2)
+    config.launcher = {"name": "local", "nproc": 1}  # type: ignore[attr-defined]
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert Sweep(s, config, []).trial_env()["OMP_NUM_THREADS"] == "4"  # type: ignore[arg-type]
+    config.launcher.nproc = 4  # type: ignore[attr-defined]
+    assert Sweep(s, config, []).trial_env()["OMP_NUM_THREADS"] == "1"  # type: ignore[arg-type]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own is kept
+    assert Sweep(s, config, []).trial_env()["OMP_NUM_THREADS"] == "3"  # type: ignore[arg-type]
+    config.launcher = {"name": "slurm"}  # type: ignore[attr-defined]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS" not in Sweep(s, config, []).trial_env()  # type: ignore[arg-type]
