@@ -164,6 +164,8 @@ class Sweep:
         )
 
     def start(self, study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial, resumed: bool) -> None:
+        # Optuna gives a fresh trial's sampled params and id only on the Trial; its frozen record
+        # (what a continued trial also is) is read from the storage by that id.
         frozen = trial if isinstance(trial, optuna.trial.FrozenTrial) else study._storage.get_trial(trial._trial_id)
         trial_dir = self.dir / str(frozen.number)
         trial_dir.mkdir(parents=True, exist_ok=True)
