@@ -35,9 +35,17 @@ def side_python() -> Path:
     try:
         return side_venv.ensure()
     except side_venv.SideVenvError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"the side venv for Hydra's Optuna sweeper could not be made: {e}")
-        pytest.skip(f"the side venv for Hydra's Optuna sweeper could not be made (no package index?): {e}")
+        # As the cluster tests: a green `make test` proves Hydra's Optuna sweeper works, so a side
+        # venv that cannot be made fails; only a user who says so skips these (no package index here).
+        if os.environ.get("DTF_SKIP_SIDE_VENV_TESTS") == "1":
+            pytest.skip(
+                f"the side venv for Hydra's Optuna sweeper could not be made ({e}); "
+                "skipped because DTF_SKIP_SIDE_VENV_TESTS=1 (unset it to run them)"
+            )
+        pytest.fail(
+            f"the side venv for Hydra's Optuna sweeper could not be made: {e} "
+            "(set DTF_SKIP_SIDE_VENV_TESTS=1 to skip these tests on a machine without a package index)"
+        )
 
 
 def optuna_sweep(python: Path, sweep_dir: Path, *args: str, timeout: float = 400) -> DtfRun:
