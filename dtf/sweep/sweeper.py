@@ -37,7 +37,7 @@ from dtf.errors import UserError
 from dtf.results import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
 from dtf.sweep.settings import SweeperSettings
 from dtf.sweep.space import SearchSpace, search_space
-from dtf.sweep.study import PRUNERS, build_pruner, build_sampler, open_storage, storage_spec
+from dtf.sweep.study import build_pruner, build_sampler, open_storage, storage_spec
 
 TRIAL_FILE = "trial.json"  # the sweep's record of a trial: params, state, value, times
 LOG_FILE = "trial.log"
@@ -81,8 +81,7 @@ class Sweep:
             raise UserError(
                 f"hydra.sweeper.n_trials={s.n_trials}, hydra.sweeper.parallel={s.parallel}: both must be >= 1"
             )
-        if s.pruner not in PRUNERS:
-            raise UserError(f"hydra.sweeper.pruner={s.pruner}: choose one of {', '.join(PRUNERS)}")
+        self.pruner = build_pruner(s.pruner, s.pruner_options)  # a bad name or option: one line, before anything runs
         self.s = s
         self.config = config
         self.dir = Path(config.hydra.sweep.dir).resolve()
@@ -158,7 +157,7 @@ class Sweep:
             study_name=s.study_name,
             storage=storage,
             sampler=build_sampler(s.sampler, seed),
-            pruner=build_pruner(s.pruner, s.pruner_options),
+            pruner=self.pruner,
             direction=optuna.study.StudyDirection[self.direction.upper()],
             load_if_exists=True,
         )
