@@ -143,7 +143,14 @@ def train(
         checkpointer=checkpointer,
         metrics=Metrics.build(cfg.get("metrics"), env.device),
         train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
-        control=StepControl(stop_request or StopRequest(()), checkpointer, env.world_size, ck.stop_check_every_n_steps),
+        control=StepControl(
+            stop_request or StopRequest(()),
+            checkpointer,
+            env.world_size,
+            every_n_steps=ck.stop_check_every_n_steps,
+            every_s=ck.stop_check_every_s,
+            is_main=env.is_main,
+        ),
         precision=precision,
         pruning=trial_pruning(cfg, run, eval_data is not None, env),
     )

@@ -195,8 +195,10 @@ class CheckpointConfig:
     # exit with status 75 (EX_TEMPFAIL: requeue me). SLURM sends them before preemption or the time limit.
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     # How often the ranks compare notes (a stop signal, a finished background save): a tiny
-    # collective every n steps. A stop takes effect within 2n steps.
-    stop_check_every_n_steps: int = 10
+    # collective about every stop_check_every_s seconds of training, so a stop takes effect within
+    # about twice that. stop_check_every_n_steps fixes it to every n steps instead (a stop within 2n).
+    stop_check_every_s: float = 0.25
+    stop_check_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -207,10 +209,16 @@ class CheckpointConfig:
         )
         require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         require(
-            self.stop_check_every_n_steps >= 1,
+            self.stop_check_every_n_steps is None or self.stop_check_every_n_steps >= 1,
             "checkpoint.stop_check_every_n_steps",
             self.stop_check_every_n_steps,
-            "use 1 or more",
+            "use 1 or more, or null to check about every checkpoint.stop_check_every_s seconds",
+        )
+        require(
+            self.stop_check_every_s > 0,
+            "checkpoint.stop_check_every_s",
+            self.stop_check_every_s,
+            "use a positive number of seconds",
         )
         for name in self.stop_signals:
             require(

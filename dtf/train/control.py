@@ -2,15 +2,24 @@
 commit the checkpoint being written in the background (every rank has finished its part). Both
 are taken here, in one place; the loop only asks whether to stop.
 
-Every `every_n_steps`-th step boundary posts this rank's view as one small all-reduce on a
-dedicated gloo group and reads the result posted at the previous such boundary, so the loop
-never waits for it (the answer arrives one exchange late). The dedicated group keeps these
-collectives out of the strategy's own stream of collectives, and on GPUs off NCCL. Not every
-step: each exchange is a round trip between ranks, and a small model's step takes milliseconds.
+At some step boundaries every rank posts its view as one small all-reduce on a dedicated gloo
+group and reads the result posted at the previous such boundary, so the loop never waits for it
+(the answer arrives one exchange late). The dedicated group keeps these collectives out of the
+strategy's own stream of collectives, and on GPUs off NCCL.
+
+Not every step: an exchange is a round trip between ranks and costs tens of microseconds of CPU,
+which is several percent of a small model's millisecond step. By default the ranks exchange
+about every `every_s` seconds of training, whatever a step takes: rank 0 measures its steps and
+proposes the next interval in steps inside the exchange itself, so every rank reads the same
+integer and all keep exchanging at the same steps (each rank computing an interval from its own
+clock could disagree, and ranks that call a collective at different steps hang). A stop signal
+then takes effect within about two intervals. `every_n_steps` fixes the interval instead.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,19 +33,38 @@ from dtf.train.stop import StopRequest
 class Agreement:
     stop: bool  # some rank received a stop signal
     committed_step: int | None  # the background save of this step has finished on every rank
+    next_interval: int | None = None  # steps until the next exchange, as rank 0 proposed them
+
+
+# An interval in steps, proposed by rank 0, travels as a float64 sum with the other ranks' zeros:
+# exact for any integer up to 2**53, so every rank reads the very same number.
+MAX_INTERVAL = 1_000_000
 
 
 class StepControl:
     def __init__(
-        self, stop_request: StopRequest, checkpointer: Checkpointer, world_size: int, every_n_steps: int
+        self,
+        stop_request: StopRequest,
+        checkpointer: Checkpointer,
+        world_size: int,
+        every_n_steps: int | None,
+        every_s: float = 0.25,
+        is_main: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.stop_request = stop_request
         self.checkpointer = checkpointer
         self.world_size = world_size
         self.every_n_steps = every_n_steps
+        self.every_s = every_s
+        self.is_main = is_main
+        self.clock = clock
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
         self._posted: torch.Tensor | None = None
         self._work: dist.Work | None = None
+        self._due: int | None = None  # the step of the next exchange (time-based interval)
+        self._last_post: tuple[int, float] | None = None  # (step, clock) of this rank's latest post
+        self.exchange_steps: list[int] = []  # where the exchanges happened (tests compare ranks)
         self.stopped_at_step: int | None = None
 
     def should_stop(self, step: int, last: bool) -> bool:
@@ -52,18 +80,29 @@ class StepControl:
             return True
         return False
 
+    def _due_now(self, step: int) -> bool:
+        if self.every_n_steps is not None:
+            return step % self.every_n_steps == 0
+        if self._due is None:
+            self._due = step  # the first boundary of this run (fresh or resumed) exchanges at once
+        return step >= self._due
+
     def exchange(self, step: int) -> Agreement:
-        """Posts this rank's view every every_n_steps steps and returns the agreement posted the
+        """Posts this rank's view when an exchange is due and returns the agreement posted the
         time before (all ranks call it at the same steps)."""
-        if step % self.every_n_steps:
+        if not self._due_now(step):
             return Agreement(stop=False, committed_step=None)
+        self.exchange_steps.append(step)
         previous = self._receive()
+        # Until rank 0's first measured proposal has come back, the exchanges follow step by step.
+        self._due = step + (previous.next_interval or 1)
         writing, done = self.checkpointer.background_step, self.checkpointer.background_done()
         view = torch.tensor(
             [
                 1.0 if self.stop_request.requested else 0.0,
                 0.0 if writing is None or done else 1.0,  # ranks still writing
                 -1.0 if writing is None else float(writing),
+                float(self._propose(step)) if self.is_main and self.every_n_steps is None else 0.0,
             ],
             dtype=torch.float64,
         )
@@ -72,16 +111,26 @@ class StepControl:
         self._posted = view
         return previous
 
+    def _propose(self, step: int) -> int:
+        """Rank 0's interval for the ranks to use: steps that take about every_s seconds, from the
+        mean step time since its previous post (0: nothing measured yet)."""
+        now, last = self.clock(), self._last_post
+        self._last_post = (step, now)
+        if last is None or step <= last[0]:
+            return 0
+        step_s = (now - last[1]) / (step - last[0])
+        return max(1, min(MAX_INTERVAL, round(self.every_s / step_s))) if step_s > 0 else MAX_INTERVAL
+
     def _receive(self) -> Agreement:
         if self._posted is None:
             return Agreement(stop=False, committed_step=None)
         if self._work is not None:
             self._work.wait()
-        stop, writing, step_sum = self._posted.tolist()
+        stop, writing, step_sum, interval = self._posted.tolist()
         # The same save on every rank (saves start at the same boundary everywhere), finished by all.
         step = step_sum / self.world_size
         committed = int(step) if step >= 0 and step.is_integer() and writing == 0 else None
-        return Agreement(stop=stop > 0, committed_step=committed)
+        return Agreement(stop=stop > 0, committed_step=committed, next_interval=int(interval) or None)
 
     def close(self) -> None:
         """Commits the last background save and waits for the last posted exchange, so that

@@ -50,7 +50,14 @@ def straight_ddp(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     return _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path_factory.mktemp("straight") / "run"))
 
 
-FAILING = ["model._target_=user_models.FailingModel", *COMMON, f"trainer.max_steps={N}"]
+# A stop signal a rank sends itself must land within these N steps (well under a second): the
+# ranks compare notes every 10 steps, not every checkpoint.stop_check_every_s.
+FAILING = [
+    "model._target_=user_models.FailingModel",
+    *COMMON,
+    f"trainer.max_steps={N}",
+    "checkpoint.stop_check_every_n_steps=10",
+]
 
 
 @pytest.fixture(scope="module")

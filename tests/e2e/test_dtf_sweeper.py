@@ -161,6 +161,7 @@ def test_a_failed_trial_is_failed_a_stopped_one_waits_for_the_next_run_and_the_s
             "model._target_=user_models.FailingModel",
             "+model.fail_rank=choice(-1,0)",
             "+model.how=choice(raise,SIGUSR1)",
+            "checkpoint.stop_check_every_n_steps=1",  # the stop lands within this short trial
             *SMALL,
             "trainer.max_epochs=1",
         ],

@@ -171,6 +171,7 @@ def test_a_failed_or_stopped_trial_is_failed_in_optuna_and_the_sweep_goes_on(
             "model._target_=user_models.FailingModel",
             "+model.fail_rank=choice(-1,0)",
             f"+model.how={how}",
+            "checkpoint.stop_check_every_n_steps=1",  # the stop lands within this short trial
             "launcher.nproc=1",
             *SMALL,
         )

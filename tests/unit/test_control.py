@@ -1,0 +1,96 @@
+"""StepControl: the ranks' small exchange (stop signals, background saves) happens at the same
+steps on every rank, about every stop_check_every_s seconds, and a stop lands where it should."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from dtf.train.control import StepControl
+from tests.helpers.gloo import run_on_ranks
+
+
+class Clock:
+    """A clock that advances step_s per training step (set by the loop below)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+
+def _control(world: int, clock: Clock, stop: Stop, is_main: bool = True, every_n: int | None = None) -> StepControl:
+    idle_checkpointer = SimpleNamespace(background_step=None, background_done=lambda: True, finish=lambda: None)
+    return StepControl(stop, idle_checkpointer, world, every_n_steps=every_n, every_s=0.25, is_main=is_main, clock=clock)  # type: ignore[arg-type]
+
+
+def _train(control: StepControl, clock: Clock, stop: Stop, steps: int, signal_at: int | None = None) -> int | None:
+    for step in range(1, steps + 1):
+        clock.now += clock.step_s
+        if step == signal_at:
+            stop.requested = True
+        if control.should_stop(step, last=step == steps):
+            return step
+    return None
+
+
+def test_the_exchange_comes_about_every_stop_check_every_s_seconds() -> None:
+    clock, stop = Clock(step_s=0.010), Stop()
+    control = _control(1, clock, stop)
+    _train(control, clock, stop, 200)
+    # Step by step until rank 0's first measurement (10 ms a step) has come back, then every
+    # 0.25 s / 10 ms = 25 steps.
+    assert control.exchange_steps == [1, 2, 3, 28, 53, 78, 103, 128, 153, 178]
+
+
+def test_the_interval_follows_the_step_time() -> None:
+    clock, stop = Clock(step_s=0.010), Stop()
+    control = _control(1, clock, stop)
+    _train(control, clock, stop, 53)
+    clock.step_s = 0.050  # steps become 5x slower: after one exchange late, 5 steps per exchange
+    for step in range(54, 120):
+        clock.now += clock.step_s
+        control.should_stop(step, last=False)
+    gaps = [b - a for a, b in zip(control.exchange_steps, control.exchange_steps[1:], strict=False)]
+    assert gaps[-3:] == [5, 5, 5]
+
+
+def test_a_stop_lands_two_exchanges_after_the_signal() -> None:
+    clock, stop = Clock(step_s=0.010), Stop()
+    control = _control(1, clock, stop)
+    # Signalled at step 30: posted at the exchange of step 53, read at the one of step 78.
+    assert _train(control, clock, stop, 200, signal_at=30) == 78
+    assert control.stopped_at_step == 78
+
+
+def test_a_fixed_interval_is_every_n_steps() -> None:
+    clock, stop = Clock(step_s=0.010), Stop()
+    control = _control(1, clock, stop, every_n=10)
+    assert _train(control, clock, stop, 100, signal_at=12) == 30
+    assert control.exchange_steps == [10, 20, 30]
+
+
+def _ranks_with_different_clocks(rank: int, world: int) -> None:
+    # Rank 1 measures its steps 7 times slower than rank 0: if each rank derived the interval
+    # from its own clock, they would call the collective at different steps and hang.
+    clock, stop = Clock(step_s=0.010 * (7 if rank == 1 else 1)), Stop()
+    control = _control(world, clock, stop, is_main=rank == 0)
+    stopped = _train(control, clock, stop, 300, signal_at=100 if rank == 1 else None)
+    steps: list[list[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(steps, control.exchange_steps)
+    assert steps[0] == steps[1], steps
+    assert steps[0][:5] == [1, 2, 3, 28, 53]  # rank 0's clock sets the pace
+    assert stopped == 128  # rank 1's signal at step 100: posted at 103, agreed at 128, on both ranks
+    control.close()
+
+
+def test_ranks_exchange_at_the_same_steps_whatever_their_clocks() -> None:
+    run_on_ranks(_ranks_with_different_clocks, 2)
