@@ -29,7 +29,15 @@ class Stop:
 
 def _control(world: int, clock: Clock, stop: Stop, is_main: bool = True, every_n: int | None = None) -> StepControl:
     idle_checkpointer = SimpleNamespace(background_step=None, background_done=lambda: True, finish=lambda: None)
-    return StepControl(stop, idle_checkpointer, world, every_n_steps=every_n, every_s=0.25, is_main=is_main, clock=clock)  # type: ignore[arg-type]
+    return StepControl(
+        stop,  # type: ignore[arg-type]
+        idle_checkpointer,  # type: ignore[arg-type]
+        world,
+        every_n_steps=every_n,
+        every_s=0.25,
+        is_main=is_main,
+        clock=clock,
+    )
 
 
 def _train(control: StepControl, clock: Clock, stop: Stop, steps: int, signal_at: int | None = None) -> int | None:
