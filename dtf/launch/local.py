@@ -79,7 +79,11 @@ class LocalLauncher(Launcher):
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / cfg.checkpoint.dir
         try:
-            with standard_start_method(self.cfg.start_method), temp_files_in(Path(run_dir) / "logs"):
+            with (
+                standard_start_method(self.cfg.start_method),
+                temp_files_in(Path(run_dir) / "logs"),
+                threads_per_rank(nproc),
+            ):
                 results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
@@ -124,6 +128,22 @@ def temp_files_in(directory: Path) -> Iterator[None]:
         yield
     finally:
         tempfile.tempdir = previous
+
+
+@contextlib.contextmanager
+def threads_per_rank(nproc: int) -> Iterator[None]:
+    """The ranks share this machine's cores: each rank's thread pools (torch's, and the OpenMP and
+    BLAS pools that size themselves from OMP_NUM_THREADS when a rank imports them) get its share,
+    as torchrun does, unless the user set OMP_NUM_THREADS. Without it every rank carries pools
+    sized for the whole machine, which contend with the other ranks for the same cores."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@ module, bad input, a failing rank, and an external torchrun."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
 import time
@@ -142,6 +144,17 @@ def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     # Wide(in=2, hidden=100 from the default model config, out=1): Linear(2,100) + Linear(100,1)
     assert run.summary["model_state_bytes"][0] == 16 * (2 * 100 + 100 + 100 + 1) + 4 * 4
+
+
+def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # As torchrun does: each rank's OpenMP/BLAS pools and torch's threads get its share of the
+    # cores, not pools sized for the whole machine on every rank.
+    run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    share = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))  # a user's own is kept
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"threads_{rank}.json").read_text())
+        assert seen == {"OMP_NUM_THREADS": share, "torch_threads": int(share)}, (rank, seen)
 
 
 @pytest.mark.parametrize(
