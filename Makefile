@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-fast lint bench clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
@@ -20,8 +20,8 @@ run: $(STAMP)
 	$(BIN)/python -m dtf $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check dtf hydra_plugins tests benchmarks
-	$(BIN)/ruff format --check dtf hydra_plugins tests benchmarks
+	$(BIN)/ruff check setup.py dtf hydra_plugins tests benchmarks
+	$(BIN)/ruff format --check setup.py dtf hydra_plugins tests benchmarks
 	$(BIN)/mypy dtf hydra_plugins
 
 test: lint

@@ -1,5 +1,5 @@
 """Registers dtf's schemas in Hydra's ConfigStore (option YAMLs extend them by name) and the
-`dtf_stamp` resolver of the default run directory. dtf/conf/__init__.py calls register(), so
+`dtf_stamp` resolver of the default run directory. conf/__init__.py calls register(), so
 that composing dtf's tree works however it is reached: `python -m dtf`, Hydra's compose API
 (`initialize_config_module("dtf.conf")`), or a user's tree that puts dtf's on its search path."""
 

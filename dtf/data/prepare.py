@@ -3,7 +3,7 @@
     python -m dtf.data.prepare scalar_field digits fake_images --out data [--format both] [--rows-per-group 512]
 
 For each data set, its train and test splits exactly as the in-memory path builds them
-(from dtf/conf/data/<name>.yaml and its seed) are written with two columns, `features`
+(from conf/data/<name>.yaml and its seed) are written with two columns, `features`
 and `label`:
 
 - parquet:   <out>/<name>/parquet/{train,test}/part-00000.parquet, plain Parquet written by
@@ -19,6 +19,7 @@ there a row group holds about that many).
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import math
 import os
@@ -37,7 +38,8 @@ from dtf.data.loader import split_datasets
 from dtf.data.parquet.source import SHAPES_KEY, quiet_petastorm
 from dtf.errors import UserError
 
-CONF_DATA = Path(__file__).resolve().parents[1] / "conf" / "data"
+# The config tree: conf/ of a checkout, or dtf/conf/ of an installed wheel (the package dtf.conf).
+CONF_DATA = Path(str(importlib.resources.files("dtf.conf"))) / "data"
 FORMATS = ("parquet", "petastorm")
 
 

@@ -12,17 +12,18 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import dtf.cli
 from dtf.config.validate import validate
 from dtf.errors import UserError
 from dtf.worker import build_model
 
-CONF = Path(dtf.cli.__file__).parent / "conf"
+CONF = Path(__file__).parents[2] / "conf"  # the config tree, at the top of the repository
 DOCS = Path(__file__).parents[2] / "docs"
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    found = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    assert found, f"no options in {CONF / group}"  # a wrong path must not parametrize nothing
+    return found
 
 
 def make(*overrides: str) -> DictConfig:

@@ -149,7 +149,7 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
         write_parquet(x, y, tmp_path / name, rows_per_group=100)
         cfg = config(tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False)
         parquet_batches = epoch(parquet.build(cfg, env(), seed=0)[0], 0)
-        option = OmegaConf.load(Path(loader.__file__).parents[1] / "conf" / "data" / f"{name}.yaml")
+        option = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / f"{name}.yaml")
         dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))
         memory_cfg = LoaderDataConfig(dataset=dataset, batch_size=32, shuffle=False, drop_last=True)
         memory_batches = epoch(loader.build(memory_cfg, env(), seed=0)[0], 0)

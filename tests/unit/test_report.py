@@ -318,7 +318,7 @@ def test_the_report_is_built_after_slurm_jobs_are_waited_for(monkeypatch: pytest
     called: list[str] = []
     monkeypatch.setattr(SweepJobs, "on_multirun_end", lambda self, config, **kw: called.append("slurm"))
     monkeypatch.setattr(report.SweepReport, "on_multirun_end", lambda self, config, **kw: called.append("report"))
-    config = OmegaConf.load(REPO / "dtf" / "conf" / "config.yaml")
+    config = OmegaConf.load(REPO / "conf" / "config.yaml")
     Callbacks(config).on_multirun_end(config=config)
     assert called == ["slurm", "report"]
 

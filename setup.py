@@ -1,0 +1,17 @@
+"""Which packages the wheel holds (the metadata is in pyproject.toml).
+
+conf/, the Hydra config tree at the repository's top, is the package dtf.conf: edited there,
+installed as dtf/conf/ by a regular install and mapped to conf/ by an editable one, so
+`python -m dtf` finds the same tree in a checkout and in an installed wheel.
+hydra_plugins: Hydra loads sweepers only from that namespace (hydra/sweeper=dtf lives there).
+"""
+
+from setuptools import find_namespace_packages, setup
+
+# Namespace-style discovery, as pyproject's packages.find does: hydra_plugins has no __init__.py.
+found = find_namespace_packages(include=["dtf", "dtf.*", "hydra_plugins", "hydra_plugins.*"], exclude=["*.__pycache__"])
+
+setup(
+    packages=[*found, "dtf.conf"],
+    package_dir={"dtf.conf": "conf"},
+)
