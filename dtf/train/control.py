@@ -19,6 +19,7 @@ then takes effect within about two intervals. `every_n_steps` fixes the interval
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,7 +65,8 @@ class StepControl:
         self._work: dist.Work | None = None
         self._due: int | None = None  # the step of the next exchange (time-based interval)
         self._last_post: tuple[int, float] | None = None  # (step, clock) of this rank's latest post
-        self.exchange_steps: list[int] = []  # where the exchanges happened (tests compare ranks)
+        # Where the latest exchanges happened (tests compare ranks), bounded for long runs.
+        self.exchange_steps: deque[int] = deque(maxlen=10_000)
         self.stopped_at_step: int | None = None
 
     def should_stop(self, step: int, last: bool) -> bool:

@@ -3,6 +3,7 @@ steps on every rank, about every stop_check_every_s seconds, and a stop lands wh
 
 from __future__ import annotations
 
+from itertools import pairwise
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def test_the_exchange_comes_about_every_stop_check_every_s_seconds() -> None:
     _train(control, clock, stop, 200)
     # Step by step until rank 0's first measurement (10 ms a step) has come back, then every
     # 0.25 s / 10 ms = 25 steps.
-    assert control.exchange_steps == [1, 2, 3, 28, 53, 78, 103, 128, 153, 178]
+    assert list(control.exchange_steps) == [1, 2, 3, 28, 53, 78, 103, 128, 153, 178]
 
 
 def test_the_interval_follows_the_step_time() -> None:
@@ -67,7 +68,7 @@ def test_the_interval_follows_the_step_time() -> None:
     for step in range(54, 120):
         clock.now += clock.step_s
         control.should_stop(step, last=False)
-    gaps = [b - a for a, b in zip(control.exchange_steps, control.exchange_steps[1:], strict=False)]
+    gaps = [b - a for a, b in pairwise(control.exchange_steps)]
     assert gaps[-3:] == [5, 5, 5]
 
 
@@ -83,7 +84,7 @@ def test_a_fixed_interval_is_every_n_steps() -> None:
     clock, stop = Clock(step_s=0.010), Stop()
     control = _control(1, clock, stop, every_n=10)
     assert _train(control, clock, stop, 100, signal_at=12) == 30
-    assert control.exchange_steps == [10, 20, 30]
+    assert list(control.exchange_steps) == [10, 20, 30]
 
 
 def _ranks_with_different_clocks(rank: int, world: int) -> None:
@@ -93,7 +94,7 @@ def _ranks_with_different_clocks(rank: int, world: int) -> None:
     control = _control(world, clock, stop, is_main=rank == 0)
     stopped = _train(control, clock, stop, 300, signal_at=100 if rank == 1 else None)
     steps: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(steps, control.exchange_steps)
+    dist.all_gather_object(steps, list(control.exchange_steps))
     assert steps[0] == steps[1], steps
     assert steps[0][:5] == [1, 2, 3, 28, 53]  # rank 0's clock sets the pace
     assert stopped == 128  # rank 1's signal at step 100: posted at 103, agreed at 128, on both ranks
