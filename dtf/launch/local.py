@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -82,7 +83,7 @@ class LocalLauncher(Launcher):
             with (
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
-                threads_per_rank(nproc),
+                threads_per_rank(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
             ):
                 results = elastic_launch(config, fn)(cfg, run_dir)
         except ChildFailedError as e:
@@ -131,15 +132,16 @@ def temp_files_in(directory: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def threads_per_rank(nproc: int) -> Iterator[None]:
+def threads_per_rank(nproc: int, configured: Any = None) -> Iterator[None]:
     """The ranks share this machine's cores: each rank's thread pools (torch's, and the OpenMP and
     BLAS pools that size themselves from OMP_NUM_THREADS when a rank imports them) get its share,
-    as torchrun does, unless the user set OMP_NUM_THREADS. Without it every rank carries pools
-    sized for the whole machine, which contend with the other ranks for the same cores."""
+    as torchrun does, unless the user set OMP_NUM_THREADS (in the environment, or as
+    launcher.env.OMP_NUM_THREADS: set here, before a rank imports anything). Without it every rank
+    carries pools sized for the whole machine, which contend with the other ranks for the cores."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ["OMP_NUM_THREADS"] = str(configured or max(1, (os.cpu_count() or 1) // nproc))
     try:
         yield
     finally:

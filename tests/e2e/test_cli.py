@@ -155,6 +155,12 @@ def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # t
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"threads_{rank}.json").read_text())
         assert seen == {"OMP_NUM_THREADS": share, "torch_threads": int(share)}, (rank, seen)
+    if "OMP_NUM_THREADS" not in os.environ:  # launcher.env sets it for the ranks, from their start
+        one = ["launcher.nproc=1", "+launcher.env.OMP_NUM_THREADS=1"]  # 1 rank alone would get every core
+        run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT, *one)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen = json.loads((tmp_path / "threads_0.json").read_text())
+        assert seen == {"OMP_NUM_THREADS": "1", "torch_threads": 1}, seen
 
 
 @pytest.mark.parametrize(
