@@ -6,6 +6,10 @@ It lives in this light module and imports the training stack only in the rank, s
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
+
 from omegaconf import DictConfig
 
 from dtf import failures
@@ -26,5 +30,13 @@ def rank_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
 
         failures.record(run_dir, rank_from_env(), attempt_number(), e)
         if user_error_in(e) is not None:  # also when a _target_ raised it (Hydra wraps it)
+            if multiprocessing.parent_process() is not None:
+                # A rank the local launcher spawned: out at once, with nothing run on the way. The
+                # error is recorded, and multiprocessing's exit handlers tear down the process
+                # group with the ranks' (asynchronous) exchange possibly still in flight, which
+                # can abort the process: bad input would be reported as a crash by SIGABRT.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(EXIT_USER_ERROR)
             raise SystemExit(EXIT_USER_ERROR) from None
         raise

@@ -104,9 +104,10 @@ class LocalLauncher(Launcher):
 
 def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
     """The error of the rank that failed first. A rank killed by a signal records nothing and counts
-    as first (its peers' errors are the consequence); otherwise the oldest record (dtf.failures)."""
-    killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0)
+    as first (its peers' errors are the consequence); otherwise the oldest record (dtf.failures).
+    A rank that recorded the oldest error and then died of a signal on its way out is that error."""
     first = failures.first(run_dir)
+    killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0 and (first is None or rank != first.rank))
     logs = {r: os.path.dirname(f.error_file) if os.path.isabs(f.error_file) else "" for r, f in e.failures.items()}
     if killed:
         rank = killed[0]

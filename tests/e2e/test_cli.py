@@ -216,6 +216,11 @@ def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-un
         (["data.dataset.num_points=2000"], "data.dataset.num_test=2000 must be between 1 and num_points-1"),
         # raised on one rank only, in the middle of training
         (["model._target_=user_models.FailingModel", "+model.how=user_error"], "model.fail_rank=1: injected bad"),
+        # ... whose rank then dies of a signal on its way out, after it recorded its error
+        (
+            ["model._target_=user_models.FailingModel", "+model.how=user_error", "+model.abort_at_exit=true"],
+            "model.fail_rank=1: injected bad",
+        ),
     ],
 )
 def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]

@@ -17,8 +17,9 @@ class FailingModel(nn.Module):
     how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of SIGKILL), "SIG<NAME>"
     (sends itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
     With raise_after_signal, a rank that sent a signal raises at its next forward (a crash after a
-    stop request). With first_attempt_only, only the first attempt fails (a restarted run goes
-    through). Every forward sleeps delay_s (after a signal at least 50 ms), so that outside events
+    stop request). With abort_at_exit, a rank that raised a user error dies of SIGABRT on its way
+    out. With first_attempt_only, only the first attempt fails (a restarted run goes through).
+    Every forward sleeps delay_s (after a signal at least 50 ms), so that outside events
     can land in the middle of a run."""
 
     def __init__(
@@ -29,6 +30,7 @@ class FailingModel(nn.Module):
         first_attempt_only: bool = False,
         delay_s: float = 0.0,
         raise_after_signal: bool = False,
+        abort_at_exit: bool = False,
         **unused: object,
     ) -> None:
         super().__init__()
@@ -37,6 +39,7 @@ class FailingModel(nn.Module):
         self.first_attempt_only = first_attempt_only
         self.delay_s = delay_s
         self.raise_after_signal = raise_after_signal
+        self.abort_at_exit = abort_at_exit
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,11 @@ class FailingModel(nn.Module):
                 self.delay_s = max(self.delay_s, 0.05)  # the run must not end before the signal is acted on
             elif self.how == "user_error":
                 from dtf.errors import UserError
+
+                if self.abort_at_exit:  # as a process group torn down with a collective in flight does
+                    from multiprocessing.util import Finalize
+
+                    Finalize(None, os.abort, exitpriority=0)
 
                 raise UserError(f"model.fail_rank={self.fail_rank}: injected bad input; fix model.fail_rank")
             else:
