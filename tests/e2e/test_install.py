@@ -6,10 +6,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import side_venv
 
 REPO = Path(__file__).resolve().parents[2]
 # What a source distribution of dtf holds: the build needs nothing else.
@@ -27,8 +28,8 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in SOURCES:
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, src / name)
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
+    subprocess.run([side_venv.base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = side_venv.python_of(venv)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -56,8 +57,7 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         text=True,
     )
-    # Every site-packages the tests see (the test venv's, and any it layers over), as plain paths.
-    deps = dict.fromkeys([sysconfig.get_paths()["purelib"], *(p for p in sys.path if p.endswith("site-packages"))])
+    deps = side_venv.main_site_packages()  # plain paths: their .pth files (the editable dtf) are not read
     (Path(site) / "_test_venv_packages.pth").write_text("".join(f"{p}\n" for p in deps))
     return python
 
