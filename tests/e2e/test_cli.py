@@ -148,19 +148,20 @@ def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:
 
 def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # As torchrun does: each rank's OpenMP/BLAS pools and torch's threads get its share of the
-    # cores, not pools sized for the whole machine on every rank.
+    # cores, not pools sized for the whole machine on every rank; and each rank is a session of its
+    # own, so the kernel's autogroup scheduler gives every rank a fair share of the cores.
     run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT)
     assert run.returncode == 0, run.stderr[-3000:]
     share = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))  # a user's own is kept
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"threads_{rank}.json").read_text())
-        assert seen == {"OMP_NUM_THREADS": share, "torch_threads": int(share)}, (rank, seen)
+        assert seen == {"OMP_NUM_THREADS": share, "torch_threads": int(share), "own_session": True}, (rank, seen)
     if "OMP_NUM_THREADS" not in os.environ:  # launcher.env sets it for the ranks, from their start
         one = ["launcher.nproc=1", "+launcher.env.OMP_NUM_THREADS=1"]  # 1 rank alone would get every core
         run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT, *one)
         assert run.returncode == 0, run.stderr[-3000:]
         seen = json.loads((tmp_path / "threads_0.json").read_text())
-        assert seen == {"OMP_NUM_THREADS": "1", "torch_threads": 1}, seen
+        assert seen == {"OMP_NUM_THREADS": "1", "torch_threads": 1, "own_session": True}, seen
 
 
 @pytest.mark.parametrize(

@@ -84,12 +84,16 @@ def encoder_head_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 
 class ThreadsReport(nn.Linear):
     """A linear model that, when a rank builds it, writes what the rank runs its ops with:
-    <report_dir>/threads_<rank>.json = {"OMP_NUM_THREADS": ..., "torch_threads": ...}."""
+    <report_dir>/threads_<rank>.json = {"OMP_NUM_THREADS": ..., "torch_threads": ..., "own_session": ...}."""
 
     def __init__(self, report_dir: str, in_features: int = 2, out_features: int = 1, **unused: object) -> None:
         super().__init__(in_features, out_features)
         import json
         from pathlib import Path
 
-        seen = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads()}
+        seen = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "torch_threads": torch.get_num_threads(),
+            "own_session": os.getsid(0) == os.getpid(),
+        }
         (Path(report_dir) / f"threads_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen))
