@@ -41,7 +41,9 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
         f"--epochs={args.epochs}",
         f"--out={out}",
     ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the raw loop failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 

@@ -79,6 +79,9 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
+    # Every rank done before any tears down: gloo aborts a rank ("terminate called without an
+    # active exception") whose peer destroys the group while its own last collective is in flight.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -3,6 +3,8 @@ invites a requeue); a rank that crashes is reported as a crash, whatever came be
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -24,9 +26,35 @@ SLOW = [
 ]
 
 
-def _interrupt(tmp_path: Path, sig: signal.Signals, *, group: bool, args: tuple[str, ...] = ()) -> tuple[int, str]:
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (its children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _interrupt(
+    tmp_path: Path, sig: signal.Signals, *, group: bool, args: tuple[str, ...] = (), every: bool = False
+) -> tuple[int, str]:
     """Starts dtf in a session of its own, sends sig once it trains (to its process group, as a
-    terminal's Ctrl-C does, or to the driver only), and returns (exit status, stderr)."""
+    terminal's Ctrl-C does; with every=True to every process it started, ranks and data workers
+    included, as SLURM does; or to the driver only), and returns (exit status, stderr)."""
     log = tmp_path / "log"
     cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, *args, f"hydra.run.dir={tmp_path / 'run'}"]
     with open(log, "w") as out, open(tmp_path / "err", "w") as err:
@@ -35,19 +63,19 @@ def _interrupt(tmp_path: Path, sig: signal.Signals, *, group: bool, args: tuple[
     while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
-    if group:
-        import os
-
+    if every:
+        _signal_all([proc.pid, *_descendants(proc.pid)], sig)
+    elif group:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
+    ranks = _descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
     try:
         code = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
-            import os
-
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
+        _signal_all(ranks, signal.SIGKILL)  # none left, unless the driver died before them
     return code, (tmp_path / "err").read_text()
 
 
@@ -112,6 +140,6 @@ def test_a_stop_signal_to_every_process_stops_cleanly_with_worker_processes(
             "data.label_column=x",
             "model.in_features=2",
         )
-    code, err = _interrupt(tmp_path, sig, group=True, args=args)
+    code, err = _interrupt(tmp_path, sig, group=True, args=args, every=True)
     assert code == 75, err[-3000:]
     assert f"dtf: stopped by {sig.name} at step" in err.strip().splitlines()[-1], err[-3000:]
