@@ -1,3 +1,17 @@
 """dtf: configuration-driven distributed training for PyTorch on Hydra."""
 
 __version__ = "0.1.0"
+
+
+# The Python API (dtf.api), imported on first use: ranks and the command line import this package
+# and must not pay for composing machinery they do not use.
+_API = {"run": "dtf.api", "sweep": "dtf.api", "RunStopped": "dtf.api", "UserError": "dtf.errors"}
+__all__ = ["RunStopped", "UserError", "__version__", "run", "sweep"]
+
+
+def __getattr__(name: str) -> object:
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'dtf' has no attribute {name!r}")

@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dtf import hydra_sweep, launch
+from dtf.config.typed import RunConfig
 from dtf.config.validate import validate
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.rank import rank_main
@@ -43,11 +44,20 @@ def absolute_pythonpath() -> None:
 
 def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """Validate, freeze and launch one run. Callable without Hydra's command line."""
+    return launch_frozen(freeze(cfg), cfg, run_dir)
+
+
+def freeze(cfg: DictConfig) -> RunConfig:
+    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
     sections = validate(cfg)
     hydra_sweep.check_direction(sections.trainer.objective_mode.value)
     OmegaConf.set_readonly(cfg, True)
+    return sections
+
+
+def launch_frozen(sections: RunConfig, cfg: DictConfig, run_dir: str) -> RunResult | None:
     return launch.build(sections.launcher).launch(rank_main, cfg, run_dir)
 
 

@@ -86,7 +86,9 @@ class LocalLauncher(Launcher):
                 temp_files_in(Path(run_dir) / "logs"),
                 threads_per_rank(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
             ):
-                entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)  # elastic logs its name
+                entrypoint = functools.update_wrapper(
+                    functools.partial(in_own_session, fn), fn
+                )  # elastic logs its name
                 results = elastic_launch(config, entrypoint)(cfg, run_dir)
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):

@@ -1,0 +1,166 @@
+"""dtf from Python: the run `python -m dtf <overrides>` makes, in your own process (a notebook
+cell, a script, a test, an HPO loop), with the same config tree, checks, launchers and run
+directory. Errors are raised, not printed: a bad setting is a `dtf.UserError` carrying the one
+line the command line prints.
+
+    import dtf
+    summary = dtf.run(["strategy=zero", "trainer.max_epochs=5"])
+    summaries = dtf.sweep(["optimizer.lr=1e-3,3e-3"])   # Hydra's basic sweeper's grammar
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dtf.errors import UserError
+from dtf.results import Finished, Stopped, Submitted
+
+
+class RunStopped(Exception):
+    """A stop signal ended the run at a checkpoint (the command line's exit status 75): run the
+    same call with run_dir=<its run dir> to continue it. result: where it stopped."""
+
+    def __init__(self, message: str, result: Stopped, run_dir: str) -> None:
+        super().__init__(message)
+        self.result = result
+        self.run_dir = run_dir
+
+
+def run(
+    overrides: list[str] | None = None, *, config_dir: str | None = None, run_dir: str | None = None
+) -> dict[str, Any]:
+    """One run; returns rank 0's summary (summary.json, with `run_dir` in it).
+
+    overrides: what follows `python -m dtf` on a command line. config_dir: a directory of your
+    own configs added to dtf's search path, as Hydra's --config-dir does (your options of dtf's
+    groups, e.g. <config_dir>/model/mine.yaml for model=mine). run_dir: where the run writes
+    (default: hydra.run.dir, outputs/<date>/<time> under the working directory); an existing
+    run directory with a checkpoint continues that run, as on the command line.
+
+    Raises dtf.UserError for a bad setting or a failed rank (RankFailedError), dtf.api.RunStopped
+    when a stop signal ended it, dtf.errors.Interrupted on Ctrl-C and other signals.
+    """
+    from dtf.cli import freeze, launch_frozen, stop_line
+
+    cfg, default_dir, _ = _compose(list(overrides or []), config_dir, "run")
+    sections = freeze(cfg)  # bad input raises here, before anything is written
+    directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
+    _write_hydra_files(cfg, list(overrides or []), directory)
+    result = launch_frozen(sections, cfg, str(directory))
+    return _summary(result, str(directory), stop_line)
+
+
+def sweep(
+    overrides: list[str] | None = None, *, config_dir: str | None = None, sweep_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """A sweep as `python -m dtf -m <overrides>` with Hydra's basic sweeper: every combination of
+    the comma lists (and range()/choice() sweeps), one run after another, each in
+    <sweep_dir>/<n>, then the sweep's report (report.md and plots, dtf.report). Returns the
+    points' summaries in order. For a sweeper that chooses points by their values (Optuna),
+    call run() from its objective, or use the command line with hydra/sweeper=..."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from dtf.report import build
+
+    given = list(overrides or [])
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException as e:
+        raise UserError(" ".join(str(e).split())) from None
+    # The config's own sweep (hydra.sweeper.params, e.g. a recipe's) comes first, then the arguments,
+    # as in Hydra's BasicSweeper.sweep; the sweep's directory is named by the fixed overrides.
+    fixed = [str(o.input_line) for o in parsed if not o.is_sweep_override()]
+    _, default_dir, hydra_cfg = _compose(fixed, config_dir, "sweep")
+    params = hydra_cfg.sweeper.get("params") or {}
+    in_config = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    points = [p for batch in BasicSweeper.split_arguments([*in_config, *parsed], None) for p in batch]
+    root = _make_dir(sweep_dir or default_dir, "sweep_dir" if sweep_dir else "hydra.sweep.dir")
+    summaries = []
+    for num, point in enumerate(points):
+        summaries.append(run(point, config_dir=config_dir, run_dir=str(root / str(num))))
+    try:
+        build(root)  # report.md and plots, as at the end of `python -m dtf -m`
+    except UserError as e:  # the points' outcomes stand without it
+        warnings.warn(f"dtf: no sweep report for {root}: {e}", stacklevel=2)
+    return summaries
+
+
+def _compose(overrides: list[str], config_dir: str | None, mode: str) -> tuple[DictConfig, str, DictConfig]:
+    """The job's config (without its `hydra` node, as a Hydra task receives it), the run (or
+    sweep) directory hydra.run.dir (hydra.sweep.dir) names, and that `hydra` node, from dtf's tree
+    and config_dir."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    if config_dir is not None:
+        if not Path(config_dir).is_dir():
+            raise UserError(f"config_dir={config_dir} is not a directory: give the directory of your config groups")
+        overrides = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]", *overrides]
+    try:
+        with _no_hydra_running(), initialize_config_module("dtf.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    except HydraException as e:  # an unknown group option, a key not in the config, a bad grammar
+        # Hydra's message, on one line, without the search path it lists after it
+        raise UserError(" ".join(str(e).split(" Config search path:")[0].split())) from None
+    hydra_cfg = cfg.hydra
+    directory = str(hydra_cfg.run.dir if mode == "run" else hydra_cfg.sweep.dir)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, directory, hydra_cfg
+
+
+@contextlib.contextmanager
+def _no_hydra_running() -> Iterator[None]:
+    """Hydra allows one initialised instance per process: a run started from within a Hydra app
+    (a task of `python -m dtf -m`, a user's own @hydra.main) composes on its own, then leaves the
+    app's instance as it was."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    outer = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+        if outer is not None:
+            GlobalHydra.instance().initialize(outer)
+
+
+def _make_dir(path: str, key: str) -> Path:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{key}={path} cannot be made ({e.strerror or type(e).__name__}): give {key} a directory you can write to"
+        ) from None
+    return Path(path).resolve()
+
+
+def _write_hydra_files(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:
+    """What Hydra leaves in every run directory and the sweep report reads: .hydra/config.yaml
+    (the composed job config) and .hydra/overrides.yaml."""
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, hydra_dir / "config.yaml")
+    OmegaConf.save(OmegaConf.create(overrides), hydra_dir / "overrides.yaml")
+
+
+def _summary(result: Any, run_dir: str, stop_line: Any) -> dict[str, Any]:
+    if isinstance(result, Finished):
+        return result.summary
+    if isinstance(result, Stopped):
+        raise RunStopped(
+            stop_line(result, run_dir).replace("the same command and hydra.run.dir", "run_dir"), result, run_dir
+        )
+    if isinstance(result, Submitted):  # launcher.wait=false: the job runs on; its summary.json comes later
+        return {"job_id": result.job_id, "run_dir": run_dir, "submitted_at": datetime.now().isoformat()}
+    raise AssertionError(f"rank 0 returned {result!r}")  # rank 0 always reports; a bug otherwise

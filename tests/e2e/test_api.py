@@ -1,0 +1,81 @@
+"""dtf from Python (dtf.run, dtf.sweep), as a user's script calls it: the same run as the command
+line, twice in one process, bad input raised as one UserError with nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import SHORT_RUN, dtf_env
+
+QUIET = ["trainer.progress=off", "trainer.dist_timeout_s=60"]
+
+
+def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """Runs body in a fresh Python process (a user's script), in tmp_path; it prints JSON last."""
+    return subprocess.run(
+        [sys.executable, "-c", f"import json, dtf\n{body}"],
+        cwd=tmp_path,
+        env=dtf_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_run_from_python_is_the_command_lines_run_and_can_be_called_twice(dtf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    overrides = [*SHORT_RUN, *QUIET]
+    cli = dtf(*overrides)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    done = _script(
+        tmp_path,
+        f"a = dtf.run({overrides!r})\nb = dtf.run({overrides!r}, run_dir='second')\nprint(json.dumps([a, b]))",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    # the default run directory, as on the command line: outputs/<date>/<time> under the working directory
+    assert Path(first["run_dir"]).parent.parent == tmp_path / "outputs"
+    assert second["run_dir"] == str(tmp_path / "second")
+    for summary in (first, second):
+        assert (Path(summary["run_dir"]) / "summary.json").is_file()
+        assert (Path(summary["run_dir"]) / ".hydra" / "overrides.yaml").is_file()
+        assert summary["params_sha256"] == cli.summary["params_sha256"]  # bit for bit the command line's
+        assert summary["final_test_loss"] == cli.summary["final_test_loss"]
+
+
+def test_bad_input_from_python_is_one_user_error_and_writes_nothing(tmp_path: Path) -> None:
+    done = _script(
+        tmp_path,
+        "out = []\n"
+        "for overrides in (['optimizer.lr=-1'], ['model=nope'], ['nokey=1']):\n"
+        "    try:\n"
+        "        dtf.run(overrides, run_dir='never')\n"
+        "    except dtf.UserError as e:\n"
+        "        out.append(str(e))\n"
+        "print(json.dumps(out))",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lr, model, key = json.loads(done.stdout.strip().splitlines()[-1])
+    assert lr.startswith("optimizer.lr=-1 is invalid: give a positive learning rate")
+    assert "Could not find 'model/nope'" in model and "approximator" in model  # the options to pick from
+    assert "nokey" in key
+    assert not (tmp_path / "never").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_sweep_from_python_runs_every_point_and_writes_the_report(tmp_path: Path) -> None:
+    overrides = [*SHORT_RUN, *QUIET, "optimizer.lr=1e-3,3e-3"]
+    done = _script(
+        tmp_path,
+        f"points = dtf.sweep({overrides!r}, sweep_dir='sweep')\n"
+        f"alone = dtf.run({[*SHORT_RUN, *QUIET, 'optimizer.lr=3e-3']!r}, run_dir='alone')\n"
+        "print(json.dumps([points, alone]))",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    points, alone = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [p["run_dir"] for p in points] == [str(tmp_path / "sweep" / n) for n in ("0", "1")]
+    lrs = [(Path(p["run_dir"]) / ".hydra" / "overrides.yaml").read_text().splitlines()[-1] for p in points]
+    assert lrs == ["- optimizer.lr=0.001", "- optimizer.lr=0.003"], lrs
+    assert points[1]["params_sha256"] == alone["params_sha256"]  # a point is the run with its values
+    assert (tmp_path / "sweep" / "report.md").is_file()
