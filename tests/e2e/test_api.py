@@ -79,3 +79,38 @@ def test_sweep_from_python_runs_every_point_and_writes_the_report(tmp_path: Path
     assert lrs == ["- optimizer.lr=0.001", "- optimizer.lr=0.003"], lrs
     assert points[1]["params_sha256"] == alone["params_sha256"]  # a point is the run with its values
     assert (tmp_path / "sweep" / "report.md").is_file()
+
+
+def test_run_with_a_config_dir_of_ones_own_from_inside_a_hydra_app(tmp_path: Path) -> None:
+    # A user's own option of dtf's model group (config_dir, as Hydra's --config-dir), called from the
+    # user's own @hydra.main app: the app's Hydra instance is there, unchanged, after the run.
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "narrow.yaml").write_text(
+        "_target_: dtf.models.approximator.Approximator\nhidden: 7\n"
+    )
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "app.yaml").write_text("greeting: hello\n")
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import json, hydra, dtf\n"
+        "from hydra import compose\n"
+        "@hydra.main(version_base='1.3', config_path='app', config_name='app')\n"
+        "def main(cfg):\n"
+        f"    s = dtf.run({[*SHORT_RUN, *QUIET, 'model=narrow']!r}, config_dir='{tmp_path / 'mine'}', run_dir='r')\n"
+        "    print(json.dumps([s['model_state_bytes'], compose('app').greeting]))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(app), f"hydra.run.dir={tmp_path / 'apprun'}"],
+        cwd=tmp_path,
+        env=dtf_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    state_bytes, greeting = json.loads(done.stdout.strip().splitlines()[-1])
+    # Approximator(hidden=7): Linear(2,7), Linear(7,7), Linear(7,1); fp32 parameters, gradients and
+    # Adam's two moments are 16 bytes a parameter, plus Adam's 4-byte step count per tensor
+    assert state_bytes[0] == 16 * ((2 * 7 + 7) + (7 * 7 + 7) + (7 + 1)) + 6 * 4 and greeting == "hello"
