@@ -11,8 +11,9 @@ line the command line prints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,44 @@ def run(
     directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     _write_hydra_files(cfg, list(overrides or []), directory)
     result = launch_frozen(sections, cfg, str(directory))
+    return _summary(result, str(directory), stop_line)
+
+
+def run_function(
+    fn: Callable[..., Any],
+    *,
+    module: Callable[..., Any] | None = None,
+    train_set: Any = None,
+    test_set: Any = None,
+    hparams: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    config_dir: str | None = None,
+    run_dir: str | None = None,
+) -> dict[str, Any]:
+    """Your own training function, made distributed (Maggy's lagom, HorovodRunner's run): on every
+    rank, fn(module, hparams, train_set, test_set) -> float | dict, with the strategy, launcher and
+    run directory of `overrides` (dtf.train.function says what each argument is there).
+
+    module: the model's class (or any callable returning an nn.Module); default: the config's
+    `model`. train_set, test_set: datasets (shipped to the ranks by pickle); default: the config's
+    `data.dataset`. hparams: passed to fn (over trainer.hparams). fn, module and the datasets may
+    be defined in a notebook or a script: they travel to the ranks as code (cloudpickle).
+    Returns rank 0's summary: `result` is what fn returned, averaged over the ranks exactly."""
+    from dtf.cli import freeze, launch_frozen, stop_line
+    from dtf.rank import rank_main
+    from dtf.train.function import Payload, dump
+
+    if test_set is not None and train_set is None:
+        raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
+    given = list(overrides or [])
+    cfg, default_dir, _ = _compose([*given, "trainer.fn=null"], config_dir, "run")
+    sections = freeze(cfg, function_given=True)
+    payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
+    directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
+    _write_hydra_files(cfg, given, directory)
+    # a name for the launchers' logs (a partial has none)
+    rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
+    result = launch_frozen(sections, cfg, str(directory), rank_fn)
     return _summary(result, str(directory), stop_line)
 
 

@@ -22,6 +22,7 @@ from dtf import hydra_sweep, launch
 from dtf.config.typed import RunConfig
 from dtf.config.validate import validate
 from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.launch.base import WorkerFn
 from dtf.rank import rank_main
 from dtf.results import (
     EXIT_FAILED,
@@ -47,18 +48,33 @@ def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     return launch_frozen(freeze(cfg), cfg, run_dir)
 
 
-def freeze(cfg: DictConfig) -> RunConfig:
-    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections."""
+def freeze(cfg: DictConfig, function_given: bool = False) -> RunConfig:
+    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections.
+    function_given: dtf.run_function brings the training function itself (trainer=function)."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
+    fn = cfg.trainer.get("fn")
+    if fn is not None and fn.get("_target_") is None:
+        raise UserError(
+            "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
+            "(called on every rank as fn(module, hparams, train_set, test_set))"
+        )
     sections = validate(cfg)
+    if (function_given or fn is not None) and getattr(sections.strategy, "stage", None) == 1:
+        raise UserError(
+            "strategy.stage=1 shards the optimizer dtf builds, and with trainer=function your function builds its "
+            "own: use strategy.stage=2 or 3 (they shard through the parameters, so your optimizer's state is "
+            "sharded too), or strategy=ddp"
+        )
     hydra_sweep.check_direction(sections.trainer.objective_mode.value)
     OmegaConf.set_readonly(cfg, True)
     return sections
 
 
-def launch_frozen(sections: RunConfig, cfg: DictConfig, run_dir: str) -> RunResult | None:
-    return launch.build(sections.launcher).launch(rank_main, cfg, run_dir)
+def launch_frozen(
+    sections: RunConfig, cfg: DictConfig, run_dir: str, rank_fn: WorkerFn = rank_main
+) -> RunResult | None:
+    return launch.build(sections.launcher).launch(rank_fn, cfg, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:

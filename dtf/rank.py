@@ -17,14 +17,14 @@ from dtf.errors import user_error_in
 from dtf.results import EXIT_USER_ERROR, RunResult
 
 
-def rank_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
+def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
     """Rank 0 returns how the run ended (the others None, or Stopped like rank 0). A failure is
     recorded for the driver (dtf.failures) and ends the rank: a user error quietly with exit status 2
     (the driver prints its one line), anything else by raising, so the launcher stops the peers."""
     try:
         from dtf.worker import worker_main
 
-        return worker_main(cfg, run_dir)
+        return worker_main(cfg, run_dir, payload)
     except Exception as e:
         from dtf.dist.env import attempt_number, rank_from_env
 

@@ -57,9 +57,9 @@ def build_model(cfg: DictConfig) -> nn.Module:
     return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
 
 
-def worker_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
+def worker_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
     """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
-    when a stop signal ended the run early."""
+    when a stop signal ended the run early. payload: dtf.run_function's function and objects."""
     run = typed(cfg)
     for key, value in run.launcher.env.items():
         os.environ.setdefault(str(key), str(value))
@@ -69,7 +69,15 @@ def worker_main(cfg: DictConfig, run_dir: str) -> RunResult | None:
     t = run.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
-    result = train(cfg, env, Path(dist_env.broadcast_from_main(run_dir)), stop_request)
+    directory = Path(dist_env.broadcast_from_main(run_dir))
+    if payload is not None or cfg.trainer.get("fn") is not None:  # trainer=function, dtf.run_function
+        from dtf.train import function
+
+        stop_request.restore()  # the function owns its loop: no step to stop at, signals act as usual
+        seed_everything(t.seed)  # as a plain run of the function would start (the same seed on every rank)
+        result: RunResult | None = function.run(cfg, env, directory, function.load(payload))
+    else:
+        result = train(cfg, env, directory, stop_request)
     stop_request.restore()
     # Only on success: after an error the group must stay up until the error is recorded, or the
     # peers see "connection closed" first and the report blames the wrong rank.

@@ -84,6 +84,12 @@ class TrainerConfig:
     dist_timeout_s: float = 1800.0
     # A user step function by _target_ (with _partial_: true): (model, batch, loss_fn) -> loss.
     step_fn: Any = None
+    # trainer=function: your own training function by _target_ (with _partial_: true), called on
+    # every rank as fn(module, hparams, train_set, test_set) -> float | dict (dtf.train.function).
+    # The loop's settings above do not apply to it; seed, device and objective do.
+    fn: Any = None
+    # What the function gets as hparams (trainer=function).
+    hparams: dict[str, Any] = field(default_factory=dict)
     # Steps left out of the median step time (start-up, allocator warm-up).
     num_warmup_timing_steps: int = 5
     # The same switches for every strategy (dtf.train.precision, dtf.train.blocks):

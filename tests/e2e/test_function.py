@@ -1,0 +1,103 @@
+"""trainer=function / dtf.run_function: a plain single-machine training function (Maggy's
+approximator as its post writes it, tests/helpers/maggy_function.py) made distributed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtf.data.datasets import scalar_field
+from dtf.models.approximator import Approximator
+from tests.conftest import dtf_env
+
+FUNCTION = ["trainer=function", "trainer.fn._target_=maggy_function.train"]
+
+
+def full_test_loss(run_dir: Path, num_points: int, num_test: int) -> float:
+    """The exported model's MSE over the whole test set, in this one process."""
+    model = Approximator()
+    model.load_state_dict(torch.load(run_dir / "model.pt"))
+    _, test = scalar_field(num_points=num_points, num_test=num_test)
+    x, y = test[:]
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y, reduction="sum").double() / len(test))
+
+
+def test_on_one_rank_it_is_the_plain_function_bit_for_bit(tmp_path: Path) -> None:
+    # dtf.run_function from a user's script: the function, the model class and the datasets are
+    # shipped to the rank; on one rank the run is the function run in plain Python.
+    body = """
+import json, torch, dtf
+from dtf.data.datasets import scalar_field
+from dtf.models.approximator import Approximator
+from dtf.train.summary import params_sha256
+from dtf.worker import seed_everything
+from maggy_function import train
+
+train_set, test_set = scalar_field(num_points=3000, num_test=500)
+built = []
+def module(**kw):
+    built.append(Approximator(**kw))
+    return built[-1]
+seed_everything(0)
+plain = train(module, {"hidden": 50}, train_set, test_set)
+s = dtf.run_function(train, module=Approximator, train_set=train_set, test_set=test_set, hparams={"hidden": 50},
+                     overrides=["launcher.nproc=1", "trainer.progress=off"], run_dir="run")
+print(json.dumps([plain, params_sha256(built[0].state_dict()), s]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", body], cwd=tmp_path, env=dtf_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain, plain_digest, summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["result"] == plain and summary["params_sha256"] == plain_digest
+    assert summary["world_size"] == 1 and summary["steps_per_rank"] == [2 * 40]  # 2 epochs of ceil(2500 / 64)
+
+
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=2"], ["strategy=fsdp"]])
+def test_on_two_ranks_it_trains_under_every_strategy_and_the_ranks_agree(dtf, strategy: list[str]) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*FUNCTION, *strategy, "data.dataset.num_points=4000", "data.dataset.num_test=1000")
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = run.summary
+    assert s["world_size"] == 2 and s["params_sha256_consistent"]
+    assert s["steps_per_rank"] == [2 * 24] * 2  # 2 epochs of ceil(1500 / 64) on each rank
+    assert s["result"] < 0.5  # z = sin(y) + cos(x) has variance ~1: it learned
+    # What the ranks returned, averaged by their test samples, is the loss over the whole test set.
+    assert s["result"] == pytest.approx(full_test_loss(run.run_dir, 4000, 1000), rel=1e-5)
+
+
+def test_uneven_data_on_three_sharded_ranks_never_hangs(dtf) -> None:  # type: ignore[no-untyped-def]
+    # 8,001 training samples and 193 test samples on 3 ranks: the test shares (65, 64, 64) make 2,
+    # 1 and 1 batches of 64, and FSDP's forward is a collective in training; evaluation must not be.
+    run = dtf(
+        *FUNCTION,
+        "strategy=fsdp",
+        "launcher.nproc=3",
+        "data.dataset.num_points=8194",
+        "data.dataset.num_test=193",
+        "trainer.dist_timeout_s=30",
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = run.summary
+    assert s["steps_per_rank"] == [2 * 42] * 3 and s["data_dropped_per_epoch"] == 0  # 2667 each: ceil(2667 / 64)
+    assert s["result"] == pytest.approx(full_test_loss(run.run_dir, 8194, 193), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["trainer=function"], "dtf: error: trainer.fn._target_ is not set"),
+        ([*FUNCTION, "strategy=zero"], "dtf: error: strategy.stage=1 shards the optimizer dtf builds"),
+    ],
+)
+def test_what_function_mode_cannot_do_is_one_line(dtf, args: list[str], start: str) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*args)
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(start), run.stderr
