@@ -5,7 +5,13 @@ __version__ = "0.1.0"
 
 # The Python API (dtf.api), imported on first use: ranks and the command line import this package
 # and must not pay for composing machinery they do not use.
-_API = {"run": "dtf.api", "run_function": "dtf.api", "sweep": "dtf.api", "RunStopped": "dtf.api", "UserError": "dtf.errors"}
+_API = {
+    "run": "dtf.api",
+    "run_function": "dtf.api",
+    "sweep": "dtf.api",
+    "RunStopped": "dtf.api",
+    "UserError": "dtf.errors",
+}
 __all__ = ["RunStopped", "UserError", "__version__", "run", "run_function", "sweep"]
 
 

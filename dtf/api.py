@@ -149,12 +149,27 @@ def _compose(overrides: list[str], config_dir: str | None, mode: str) -> tuple[D
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:  # an unknown group option, a key not in the config, a bad grammar
         # Hydra's message, on one line, without the search path it lists after it
-        raise UserError(" ".join(str(e).split(" Config search path:")[0].split())) from None
+        message = " ".join(str(e).split(" Config search path:")[0].split())
+        raise UserError(f"{_unparsable(overrides)}: {message}" if _unparsable(overrides) else message) from None
     hydra_cfg = cfg.hydra
     directory = str(hydra_cfg.run.dir if mode == "run" else hydra_cfg.sweep.dir)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, directory, hydra_cfg
+
+
+def _unparsable(overrides: list[str]) -> str | None:
+    """The first override Hydra's grammar refuses (its message does not say which), if any."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException:
+            return override
+    return None
 
 
 @contextlib.contextmanager

@@ -470,7 +470,9 @@ class SparkLauncherConfig:
 
     name: str = "spark"
     # Any Spark master URL: local[N], local-cluster[N,cores,MB], spark://host:port, yarn, k8s://...
-    master: str = "local[2]"
+    # null: the SparkSession already active in this process (a notebook's, as HorovodRunner and
+    # TorchDistributor use it), or local[2] where there is none.
+    master: str | None = None
     # Ranks = barrier tasks; the cluster needs this many free task slots at once.
     nproc: int = 2
     app_name: str = "dtf"

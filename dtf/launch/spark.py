@@ -34,6 +34,7 @@ from dtf.launch.base import Launcher, LogTail, WorkerFn, rank_result
 from dtf.results import RunResult
 
 LOG_DIR = "logs/spark"
+DEFAULT_MASTER = "local[2]"  # launcher.master unset and no active SparkSession
 _LOG4J = Path(__file__).with_name("spark_conf") / "log4j2.properties"
 
 
@@ -119,8 +120,10 @@ class SparkLauncher(Launcher):
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
         c = self.cfg
         require_java("launcher=spark")
-        _check_master_reachable(c.master)
-        spark = self._session(run_dir)
+        spark = _active_session(c.master)
+        if spark is None:
+            _check_master_reachable(c.master or DEFAULT_MASTER)
+            spark = self._session(run_dir, c.master or DEFAULT_MASTER)
         failures.clear(run_dir)
         rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()
         stop_tail = threading.Event()
@@ -136,7 +139,7 @@ class SparkLauncher(Launcher):
             tail.join()
         return rank_result(results[0] if results else None)
 
-    def _session(self, run_dir: str) -> Any:
+    def _session(self, run_dir: str, master: str) -> Any:
         from pyspark.sql import SparkSession
 
         c = self.cfg
@@ -146,7 +149,7 @@ class SparkLauncher(Launcher):
         driver_log = Path(run_dir) / LOG_DIR / "driver.log"
         driver_log.parent.mkdir(parents=True, exist_ok=True)
         java_options = f"-Dlog4j2.configurationFile={_LOG4J} -Ddtf.spark.log={driver_log}"
-        local = c.master.startswith("local") or "127.0.0.1" in c.master or "localhost" in c.master
+        local = master.startswith("local") or "127.0.0.1" in master or "localhost" in master
         paths = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         conf: dict[str, str] = {
             "spark.ui.enabled": "false",
@@ -169,10 +172,28 @@ class SparkLauncher(Launcher):
             **({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if local else {}),
             **{str(k): str(v) for k, v in c.spark_conf.items() if k != "spark.driver.extraJavaOptions"},
         }
-        builder = SparkSession.builder.master(c.master).appName(c.app_name)
+        builder = SparkSession.builder.master(master).appName(c.app_name)
         for key, value in conf.items():
             builder = builder.config(key, value)
         return builder.getOrCreate()
+
+
+def _active_session(master: str | None) -> Any | None:
+    """The SparkSession this process already has (a notebook's), if any. Spark allows one
+    SparkContext per process, and asking for another master returns that one regardless: a
+    launcher.master that names another cluster is refused instead of silently ignored."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is None:
+        return None
+    running = active.sparkContext.master
+    if master is not None and master != running:
+        raise UserError(
+            f"launcher.master={master}, but this process already has a SparkSession on {running} (Spark allows "
+            "one per process): leave launcher.master unset to run on it, or stop it first (spark.stop())"
+        )
+    return active
 
 
 def _failure(e: Exception, run_dir: str) -> UserError:

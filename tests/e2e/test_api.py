@@ -49,7 +49,7 @@ def test_bad_input_from_python_is_one_user_error_and_writes_nothing(tmp_path: Pa
     done = _script(
         tmp_path,
         "out = []\n"
-        "for overrides in (['optimizer.lr=-1'], ['model=nope'], ['nokey=1']):\n"
+        "for overrides in (['optimizer.lr=-1'], ['model=nope'], ['nokey=1'], ['trainer.seed=1', 'launcher.env=[a']):\n"
         "    try:\n"
         "        dtf.run(overrides, run_dir='never')\n"
         "    except dtf.UserError as e:\n"
@@ -57,10 +57,11 @@ def test_bad_input_from_python_is_one_user_error_and_writes_nothing(tmp_path: Pa
         "print(json.dumps(out))",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lr, model, key = json.loads(done.stdout.strip().splitlines()[-1])
+    lr, model, key, grammar = json.loads(done.stdout.strip().splitlines()[-1])
     assert lr.startswith("optimizer.lr=-1 is invalid: give a positive learning rate")
     assert "Could not find 'model/nope'" in model and "approximator" in model  # the options to pick from
     assert "nokey" in key
+    assert grammar.startswith("launcher.env=[a: ")  # which override Hydra's grammar refused
     assert not (tmp_path / "never").exists() and not (tmp_path / "outputs").exists()
 
 

@@ -157,3 +157,41 @@ def test_a_dtf_sweeps_trial_runs_as_a_spark_stage_and_reports_from_an_executor(t
     # epoch 1 reported from the executor (the last epoch is the trial's value, not a report)
     assert trial.intermediate_values == {1: summary["metrics_per_epoch"][0]["test/loss"]}
     assert trial.value == summary["objective"]
+
+
+def test_a_notebooks_own_spark_session_runs_the_ranks(tmp_path: Path, master: str) -> None:
+    # The notebook makes its SparkSession on the cluster; dtf.run_function(..., launcher=spark) with
+    # no launcher.master runs the ranks on it, and rank 0's output streams into the cell.
+    from tests.e2e.test_notebooks import check_maggy_notebook
+    from tests.helpers.notebooks import execute
+
+    printed = execute("maggy_approximator.ipynb", tmp_path, {"DTF_SPARK_MASTER": master, "DTF_EPOCHS": "3"})
+    assert f"on {master}" in printed[0], printed[0][-2000:]
+    summary = check_maggy_notebook(printed, 2)
+    assert summary["launcher"] == "spark"
+
+
+def test_a_master_other_than_the_active_sessions_is_one_error(tmp_path: Path) -> None:
+    # Spark keeps one session per process and would silently run on it: say so instead.
+    import subprocess
+    import sys
+
+    from tests.conftest import dtf_env
+
+    body = (
+        "import os, sys, dtf\n"
+        "os.environ['PYSPARK_PYTHON'] = sys.executable\n"
+        "from pyspark.sql import SparkSession\n"
+        "SparkSession.builder.master('local[1]').config('spark.ui.enabled', 'false').getOrCreate()\n"
+        "try:\n"
+        "    dtf.run(['launcher=spark', 'launcher.master=\"local[2]\"'], run_dir='r')\n"
+        "except dtf.UserError as e:\n"
+        "    print('UserError:', e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", body], cwd=tmp_path, env=dtf_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "UserError: launcher.master=local[2], but this process already has a SparkSession on local[1]" in done.stdout
+    ), done.stdout
