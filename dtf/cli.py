@@ -53,14 +53,8 @@ def freeze(cfg: DictConfig, function_given: bool = False) -> RunConfig:
     function_given: dtf.run_function brings the training function itself (trainer=function)."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
-    fn = cfg.trainer.get("fn")
-    if fn is not None and fn.get("_target_") is None:
-        raise UserError(
-            "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
-            "(called on every rank as fn(module, hparams, train_set, test_set))"
-        )
     sections = validate(cfg)
-    if (function_given or fn is not None) and getattr(sections.strategy, "stage", None) == 1:
+    if (function_given or cfg.trainer.get("fn") is not None) and getattr(sections.strategy, "stage", None) == 1:
         raise UserError(
             "strategy.stage=1 shards the optimizer dtf builds, and with trainer=function your function builds its "
             "own: use strategy.stage=2 or 3 (they shard through the parameters, so your optimizer's state is "

@@ -64,6 +64,12 @@ def validate(cfg: DictConfig) -> RunConfig:
             lr,
             "give a positive learning rate, e.g. optimizer.lr=1e-3",
         )
+    fn = cfg.trainer.get("fn")
+    if fn is not None and fn.get("_target_") is None:  # trainer=function as it comes
+        raise UserError(
+            "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
+            "(called on every rank as fn(module, hparams, train_set, test_set))"
+        )
     for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer", "metrics"):
         node = cfg.get(section)
         if node is not None:

@@ -85,9 +85,11 @@ def test_every_loss_builds(name: str) -> None:
 
 @pytest.mark.parametrize("group", ["strategy", "launcher", "trainer", "experiment"])
 def test_every_option_of_dtf_owned_groups_composes_and_validates(group: str) -> None:
+    # what an option needs from the user besides its name
+    needs = {"trainer=function": ["trainer.fn._target_=maggy_function.train"]}  # tests/helpers
     for name in options(group):
         prefix = "+" if group == "experiment" else ""
-        validate(make(f"{prefix}{group}={name}"))
+        validate(make(f"{prefix}{group}={name}", *needs.get(f"{group}={name}", [])))
 
 
 def test_overrides_land_where_expected() -> None:
@@ -214,9 +216,11 @@ def test_the_configuration_page_lists_every_option_of_every_group() -> None:
 
 def test_the_launchers_page_gives_the_spark_launchers_default_master() -> None:
     from dtf.config.schema import SparkLauncherConfig
+    from dtf.launch.spark import DEFAULT_MASTER
 
-    page = (DOCS / "launchers.md").read_text()
-    assert f"`launcher.master` (default `{SparkLauncherConfig().master}`" in " ".join(page.split())
+    page = " ".join((DOCS / "launchers.md").read_text().split())
+    assert SparkLauncherConfig().master is None  # unset: the active SparkSession, or else ...
+    assert f"`launcher.master` (unset: `{DEFAULT_MASTER}`" in page
 
 
 def test_the_checkpoints_pages_resume_example_names_a_checkpoint_the_default_job_leaves() -> None:
