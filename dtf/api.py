@@ -209,6 +209,8 @@ def _write_hydra_files(cfg: DictConfig, overrides: list[str], run_dir: Path) -> 
 
 
 def _summary(result: Any, run_dir: str, stop_line: Any) -> dict[str, Any]:
+    if result is None:  # a node of a multi-node run without rank 0: that node reports
+        return {"run_dir": run_dir, "summary_on_rank_0_node": True}
     if isinstance(result, Finished):
         return result.summary
     if isinstance(result, Stopped):

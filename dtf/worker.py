@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dtf import failures
@@ -68,6 +68,11 @@ def worker_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> 
     stop_request = StopRequest(run.checkpoint.stop_signals, sigint_kills=True)
     t = run.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
+    if env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)):
+        # Several nodes, each of whose drivers composed a config: all run rank 0's.
+        cfg = agree_on_config(cfg, env)
+        run = typed(cfg)
+        t = run.trainer
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
     if payload is not None or cfg.trainer.get("fn") is not None:  # trainer=function, dtf.run_function
@@ -83,6 +88,29 @@ def worker_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> 
     # peers see "connection closed" first and the report blames the wrong rank.
     dist_env.destroy()
     return result
+
+
+def agree_on_config(cfg: DictConfig, env: dist_env.DistEnv) -> DictConfig:
+    """Rank 0's config, on every rank; a node whose own config differed says so, once."""
+    main: DictConfig = dist_env.broadcast_from_main(cfg)
+    if not env.is_main and int(os.environ.get("LOCAL_RANK", "0")) == 0 and _shared(main) != _shared(cfg):
+        print(
+            f"dtf: this node's config differs from rank 0's (node {os.environ.get('GROUP_RANK', '?')}): "
+            "it runs rank 0's, as every node does",
+            flush=True,
+        )
+    return main
+
+
+def _shared(cfg: DictConfig) -> str:
+    """Digest of what the nodes must agree on: all but the keys that name the node itself."""
+    from dtf.train.summary import config_sha256
+
+    mine = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(mine, dict)
+    for key in ("node_rank", "network_interface"):
+        mine["launcher"].pop(key, None)
+    return config_sha256(OmegaConf.create(mine))
 
 
 def label_source(data: DataConfig) -> str:

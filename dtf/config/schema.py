@@ -454,10 +454,47 @@ class LocalLauncherConfig:
     tee_all_ranks: bool = False
     # Extra environment variables for every rank (e.g. OMP_NUM_THREADS).
     env: dict[str, str] = field(default_factory=dict)
+    # Several machines (torchrun's --nnodes): one `python -m dtf` per node, each with nproc ranks and
+    # the same rdzv_endpoint. "N", or "MIN:MAX" for an elastic run that starts with MIN nodes.
+    nnodes: str = "1"
+    # host:port of the rendezvous, on the first node (node_rank 0 hosts it); needed when nnodes > 1.
+    rdzv_endpoint: str | None = None
+    # This node's place (0 hosts the rendezvous); null: the node whose address rdzv_endpoint names.
+    node_rank: int | None = None
+    # The network interface gloo/NCCL use between nodes; null: the one that reaches rdzv_endpoint.
+    network_interface: str | None = None
 
     def __post_init__(self) -> None:
         check_nproc(self.nproc)
         require(self.max_restarts >= 0, "launcher.max_restarts", self.max_restarts, "use 0 (no restart) or more")
+        low, high = self.node_range()
+        require(
+            1 <= low <= high,
+            "launcher.nnodes",
+            self.nnodes,
+            "give a number of nodes (2) or an elastic range MIN:MAX (1:4)",
+        )
+        require(
+            high == 1 or bool(self.rdzv_endpoint),
+            "launcher.rdzv_endpoint",
+            self.rdzv_endpoint,
+            "several nodes meet at a rendezvous: give host:port of the first node, "
+            "e.g. launcher.rdzv_endpoint=node1:29500",
+        )
+        require(
+            self.node_rank is None or 0 <= self.node_rank < high,
+            "launcher.node_rank",
+            self.node_rank,
+            f"use 0 to {high - 1} (0 hosts the rendezvous), or leave it unset",
+        )
+
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) nodes; (0, 0) when launcher.nnodes is not N or MIN:MAX."""
+        low, _, high = str(self.nnodes).partition(":")
+        try:
+            return int(low), int(high or low)
+        except ValueError:
+            return 0, 0
 
 
 def check_nproc(nproc: int) -> None:

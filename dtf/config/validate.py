@@ -145,6 +145,9 @@ def expected_world_size(launcher: LauncherConfig) -> int | None:
     """The number of ranks the launcher will start, when the driver can know it."""
     if dist_env.launched_externally():
         return int(os.environ["WORLD_SIZE"])
+    if isinstance(launcher, LocalLauncherConfig):
+        low, high = launcher.node_range()
+        return launcher.nproc * low if low == high else None  # elastic: known once the nodes meet
     return launcher.nproc
 
 

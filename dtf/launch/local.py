@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import signal
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -42,6 +44,8 @@ class LocalLauncher(Launcher):
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.
             return in_place_result(fn(cfg, run_dir))
         nproc = self.cfg.nproc
+        min_nodes, max_nodes = self.cfg.node_range()
+        nodes = Nodes.of(self.cfg) if max_nodes > 1 else None
         stop_signals = list(cfg.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}
         logs = DefaultLogsSpecs(
@@ -51,17 +55,21 @@ class LocalLauncher(Launcher):
             tee=others if self.cfg.tee_all_ranks else Std.NONE,
         )
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
             nproc_per_node=nproc,
-            run_id=uuid.uuid4().hex,
+            # One node: a fresh id and a free port for every run, so multirun jobs never collide.
+            # Several: the nodes of one run meet at the endpoint, under one id (their run
+            # directories may differ: rank 0's is the run's, dtf.worker).
+            run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
             rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",  # a free port for every run, so multirun jobs never collide
+            rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
+            rdzv_configs=nodes.rdzv_configs() if nodes else {},
             max_restarts=self.cfg.max_restarts,
             monitor_interval=self.cfg.monitor_interval,
             start_method=self.cfg.start_method,
             logs_specs=logs,
-            local_addr="127.0.0.1",
+            local_addr=nodes.address if nodes else "127.0.0.1",
             # The agent shuts the ranks down on these; stop signals are passed on to them instead
             # (StopForwarding), so they save, stop and return, and the agent collects their results.
             signals_to_handle=",".join(s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if s not in stop_signals),
@@ -85,6 +93,7 @@ class LocalLauncher(Launcher):
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
                 threads_per_rank(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
+                between_nodes(nodes),
             ):
                 entrypoint = functools.update_wrapper(
                     functools.partial(in_own_session, fn), fn
@@ -103,6 +112,9 @@ class LocalLauncher(Launcher):
             raise Interrupted(signal.Signals(e.sigval).name, newest.checkpoint, newest.step) from None
         finally:
             forwarding.restore()
+        if nodes is not None and 0 not in results:  # rank 0 runs on another node, and reports there
+            print(f"dtf: this node's ranks are done; rank 0's node writes {run_dir}/summary.json", flush=True)
+            return None
         return rank_result(results.get(0))
 
 
@@ -117,6 +129,96 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
+
+
+class Nodes:
+    """Where the nodes of a multi-node run meet (launcher.nnodes > 1), and how they reach each
+    other: the rendezvous endpoint, this node's address on the interface that routes there, and
+    that interface's name for gloo and NCCL."""
+
+    def __init__(self, endpoint: str, node_rank: int | None, interface: str, address: str) -> None:
+        self.endpoint, self.node_rank, self.interface, self.address = endpoint, node_rank, interface, address
+
+    @classmethod
+    def of(cls, cfg: LocalLauncherConfig) -> Nodes:
+        endpoint = str(cfg.rdzv_endpoint)
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise UserError(
+                f"launcher.rdzv_endpoint={endpoint} is not host:port: give the first node's name or address "
+                "and a free port, e.g. launcher.rdzv_endpoint=node1:29500"
+            )
+        try:
+            target = socket.gethostbyname(host)
+        except OSError:
+            raise UserError(
+                f"launcher.rdzv_endpoint={endpoint}: {host} does not resolve on this node: use a name this node "
+                "resolves, or the first node's address"
+            ) from None
+        if cfg.network_interface is not None:
+            interface = cfg.network_interface
+            address = interface_address(interface)
+            if address is None:
+                names = ", ".join(name for _, name in socket.if_nameindex())
+                raise UserError(
+                    f"launcher.network_interface={interface} is not an interface of this node with an IPv4 "
+                    f"address (it has: {names}): name one, or leave it unset to use the one that reaches {host}"
+                )
+        else:
+            address = route_source(target, int(port))
+            interface = next((name for _, name in socket.if_nameindex() if interface_address(name) == address), "")
+            if not interface:
+                raise UserError(
+                    f"launcher.rdzv_endpoint={endpoint}: no network interface of this node reaches {target}: "
+                    "check the address, or name the interface with launcher.network_interface"
+                )
+        return cls(endpoint, cfg.node_rank, interface, address)
+
+    def run_id(self) -> str:
+        return "dtf-" + hashlib.sha256(self.endpoint.encode()).hexdigest()[:12]
+
+    def rdzv_configs(self) -> dict[str, Any]:
+        # node_rank 0 hosts the rendezvous store; unset: torch decides by the endpoint's address
+        return {} if self.node_rank is None else {"is_host": self.node_rank == 0}
+
+
+def route_source(address: str, port: int) -> str:
+    """This node's address on the route to address (a UDP socket's connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, port))
+        return str(s.getsockname()[0])
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of a network interface (Linux's SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+@contextlib.contextmanager
+def between_nodes(nodes: Nodes | None) -> Iterator[None]:
+    """gloo, NCCL (and TensorPipe) bind to the interface that reaches the other nodes, not to
+    whatever the machine's name resolves to (often 127.0.1.1, or a management network)."""
+    if nodes is None:
+        yield
+        return
+    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+    saved = {k: os.environ.get(k) for k in keys}
+    for key in keys:
+        os.environ.setdefault(key, nodes.interface)  # a user's own setting wins
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
 
 
 def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:

@@ -1,0 +1,88 @@
+"""launcher=local across nodes: "hosts" made of network namespaces on a bridge (scripts/local-hosts.sh),
+each with its own network stack and address in 198.18.0.0/15, one `python -m dtf` per host, as
+torchrun's multi-node runs start. The filesystem (and so the run directory) is shared, as on a
+cluster with NFS."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.helpers.clusters import SCRIPTS, script_cluster
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[list[str]]:
+    with script_cluster("local-hosts.sh", "DTF_HOSTS") as names:
+        yield names.strip('"').split()
+
+
+def run_on_hosts(
+    hosts: list[str], args: list[str], run_dir: Path, timeout: float = 180, per_node: list[list[str]] | None = None
+) -> list[DtfRun]:
+    """`python -m dtf <args>` on each host at once (plus per_node[i] on host i), node_rank = the
+    host's place: the first host hosts the rendezvous. Returns each node's outcome."""
+    common = [
+        *TEST_DEFAULTS,
+        *args,
+        f"launcher.nnodes={len(hosts)}",
+        f"launcher.rdzv_endpoint={hosts[0]}:29500",
+        f"hydra.run.dir={run_dir}",
+    ]
+    procs = []
+    for node, host in enumerate(hosts):
+        cmd = ["bash", str(SCRIPTS / "local-hosts.sh"), "run", host, sys.executable, "-m", "dtf", *common]
+        cmd += [f"launcher.node_rank={node}", *(per_node[node] if per_node else [])]
+        log = run_dir.parent / f"{run_dir.name}.{host}"
+        with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:  # the child keeps its own copies
+            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, env=dtf_env()), log))
+    runs = []
+    for proc, log in procs:
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        runs.append(DtfRun(code, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text(), run_dir))
+    return runs
+
+
+def test_one_rank_on_each_of_two_hosts_is_two_ranks_on_one(
+    hosts: list[str], tmp_path: Path, short_local_run: DtfRun
+) -> None:
+    runs = run_on_hosts(hosts, [*SHORT_RUN, "launcher.nproc=1"], tmp_path / "run")
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    s = runs[0].summary
+    assert s["world_size"] == 2 and s["config_consistent"] and s["params_sha256_consistent"]
+    assert s["params_sha256"] == short_local_run.summary["params_sha256"]  # bit for bit
+    # the other node says where rank 0's summary is, and does not claim the node-specific keys differ
+    assert "rank 0's node writes" in runs[1].stdout and "differs from rank 0's" not in runs[1].stdout
+
+
+def test_two_ranks_on_each_of_two_hosts_are_four_ranks_on_one(hosts: list[str], tmp_path: Path) -> None:
+    one = run_dtf([*SHORT_RUN, "launcher.nproc=4"], tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    runs = run_on_hosts(hosts, [*SHORT_RUN, "launcher.nproc=2"], tmp_path / "two")
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    s = runs[0].summary
+    assert s["world_size"] == 4 and s["params_sha256_consistent"]
+    assert s["params_sha256"] == one.summary["params_sha256"]
+
+
+def test_a_node_whose_config_differs_runs_rank_0s_and_says_so(hosts: list[str], tmp_path: Path) -> None:
+    # Each driver resolves a config, but every rank trains with rank 0's: one run, one config.
+    runs = run_on_hosts(hosts, [*SHORT_RUN, "launcher.nproc=1"], tmp_path / "run", per_node=[[], ["optimizer.lr=0.5"]])
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    told = [i for i, run in enumerate(runs) if "this node's config differs from rank 0's" in run.stdout]
+    assert len(told) == 1, [run.stdout[-1000:] for run in runs]
+    rank0_lr = 0.5 if told == [0] else 1e-3  # the default job's Adam
+    s = runs[0].summary
+    assert s["config_consistent"] and s["lr_final"] == pytest.approx(rank0_lr * 2)  # linear scaling, 2 ranks
