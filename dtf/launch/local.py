@@ -182,6 +182,35 @@ class Nodes:
         return {} if self.node_rank is None else {"is_host": self.node_rank == 0}
 
 
+def lost_node(failure: failures.RankFailure, run_dir: str) -> str | None:
+    """A rank that failed because a peer on another node went away (its processes died, or its
+    network): which node that was and which ranks ran there, from gloo's "Connection closed by
+    peer [address]" and <run_dir>/logs/nodes.json."""
+    import re
+
+    from dtf.worker import NODES_FILE
+
+    found = re.search(r"Connection closed by peer \[([0-9.]+)\]", failure.message)
+    if found is None:
+        return None
+    address = found.group(1)
+    try:
+        ranks = json.loads((Path(run_dir) / NODES_FILE).read_text())["ranks"]
+    except (OSError, ValueError, KeyError):
+        ranks = {}
+    there = sorted(int(r) for r, a in ranks.items() if a == address)
+    try:
+        name = f"{socket.gethostbyaddr(address)[0]} ({address})"
+    except OSError:
+        name = address
+    who = f", ranks {', '.join(map(str, there))}" if there else ""
+    return (
+        f"lost the node {name}{who}: its processes died or it dropped off the network, and rank "
+        f"{failure.rank} saw its connection close; the run stopped, and the same command on every node "
+        "continues it from the last checkpoint"
+    )
+
+
 def route_source(address: str, port: int) -> str:
     """This node's address on the route to address (a UDP socket's connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -233,6 +262,9 @@ def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
         name = signal.Signals(-e.failures[rank].exitcode).name
         return RankFailedError(f"rank {rank} failed: killed by signal {name} (its logs: {logs[rank] or run_dir})")
     if first is not None:
+        lost = lost_node(first, run_dir)
+        if lost is not None:
+            return RankFailedError(f"{lost} (rank {first.rank}'s logs: {logs.get(first.rank) or f'{run_dir}/logs'})")
         return failures.report(first, logs.get(first.rank) or f"{run_dir}/logs")
     rank, failure = min(e.failures.items())
     return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} (its logs: {logs[rank] or run_dir})")

@@ -86,3 +86,63 @@ def test_a_node_whose_config_differs_runs_rank_0s_and_says_so(hosts: list[str], 
     rank0_lr = 0.5 if told == [0] else 1e-3  # the default job's Adam
     s = runs[0].summary
     assert s["config_consistent"] and s["lr_final"] == pytest.approx(rank0_lr * 2)  # linear scaling, 2 ranks
+
+
+def test_losing_a_host_ends_the_run_in_seconds_naming_the_host(hosts: list[str], tmp_path: Path) -> None:
+    # Every process of the second host is killed mid-run (as when the machine dies): the first
+    # host's rank sees its connection close; the run ends at once with one line naming the lost
+    # node and its ranks, not after the collective timeout, and never hangs.
+    import os
+    import re
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    long_run = [
+        "launcher.nproc=1",
+        "trainer.max_steps=100000",
+        "data.dataset.num_points=20000",
+        "trainer.dist_timeout_s=60",
+    ]
+    common = [*TEST_DEFAULTS, *long_run, "launcher.nnodes=2", f"launcher.rdzv_endpoint={hosts[0]}:29500"]
+    script = str(SCRIPTS / "local-hosts.sh")
+    procs = [
+        subprocess.Popen(
+            [
+                "bash",
+                script,
+                "run",
+                host,
+                sys.executable,
+                "-m",
+                "dtf",
+                *common,
+                f"launcher.node_rank={node}",
+                f"hydra.run.dir={run_dir}",
+            ],
+            stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL,
+            stderr=subprocess.PIPE if node == 0 else subprocess.DEVNULL,
+            text=True,
+            env=dtf_env(),
+        )
+        for node, host in enumerate(hosts)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not list(run_dir.glob("logs/nodes.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # training
+        pids = subprocess.run(["ip", "netns", "pids", hosts[1]], capture_output=True, text=True).stdout.split()
+        killed = time.monotonic()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert procs[0].returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"dtf: error: lost the node {hosts[1]} \(198\.18\.0\.2\), ranks 1: ", last), last
+    assert took < 30, took  # seen here: ~2 s (the peer's kernel closes its sockets)
