@@ -76,6 +76,8 @@ def worker_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> 
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
     if env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)):
+        from dtf.launch.nodes import record_nodes
+
         record_nodes(directory, env)
     if payload is not None or cfg.trainer.get("fn") is not None:  # trainer=function, dtf.run_function
         from dtf.train import function
@@ -102,24 +104,6 @@ def agree_on_config(cfg: DictConfig, env: dist_env.DistEnv) -> DictConfig:
             flush=True,
         )
     return main
-
-
-NODES_FILE = "logs/nodes.json"
-
-
-def record_nodes(run_dir: Path, env: dist_env.DistEnv) -> None:
-    """<run_dir>/logs/nodes.json: each rank's address, so that a driver whose ranks lost a peer
-    (connection closed by <address>) can name the node and the ranks that went away."""
-    import json
-
-    from dtf.launch.local import interface_address
-
-    address = interface_address(os.environ.get("GLOO_SOCKET_IFNAME", "")) or os.environ.get("MASTER_ADDR", "?")
-    everyone: list[object] = [None] * env.world_size
-    torch.distributed.all_gather_object(everyone, address)
-    if env.is_main:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / NODES_FILE).write_text(json.dumps({"ranks": {str(r): a for r, a in enumerate(everyone)}}) + "\n")
 
 
 def _shared(cfg: DictConfig) -> str:

@@ -7,8 +7,8 @@
 #   scripts/local-hosts.sh start N   makes N hosts (default 2) and prints: export DTF_HOSTS="dtf-h1 dtf-h2"
 #   scripts/local-hosts.sh stop      removes exactly what start made
 #   scripts/local-hosts.sh run H CMD...   runs CMD on host H (ip netns exec: its network, its /etc/hosts)
-# Each host resolves every host's name through /etc/netns/<host>/hosts, which `ip netns exec`
-# puts in place of /etc/hosts. Needs root (CAP_NET_ADMIN).
+# Each host resolves every host's name, and the machine's name to its own address, through
+# /etc/netns/<host>/hosts, which `ip netns exec` puts in place of /etc/hosts. Needs root.
 # DTF_HOSTS_DIR (default /tmp/dtf-hosts) records what was made.
 set -euo pipefail
 
@@ -51,7 +51,9 @@ start() {
     ip -n "$h" link set lo up
     mkdir -p "/etc/netns/$h"
     echo "dir /etc/netns/$h" >>"$DIR/made"
-    cp "$hosts_file" "/etc/netns/$h/hosts"
+    # `ip netns exec` keeps the machine's host name: on each host it names that host, as on a real
+    # one (Java, Spark and gloo look their own name up)
+    { cat "$hosts_file"; echo "$NET.$i $(hostname)"; } >"/etc/netns/$h/hosts"
   done
   printf '%s\n' "${names[@]}" >"$DIR/hosts"
   log "hosts ${names[*]} on $NET.1-$NET.$n (bridge $BRIDGE); run a command on one: $0 run dtf-h1 <command>"

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import signal
-import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from dtf.config.schema import LocalLauncherConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
+from dtf.launch.nodes import Nodes, between_nodes, lost_node
 from dtf.results import RunResult, Stopped
 
 
@@ -95,9 +94,8 @@ class LocalLauncher(Launcher):
                 threads_per_rank(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
             ):
-                entrypoint = functools.update_wrapper(
-                    functools.partial(in_own_session, fn), fn
-                )  # elastic logs its name
+                # (with fn's name: elastic logs it)
+                entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
                 results = elastic_launch(config, entrypoint)(cfg, run_dir)
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
@@ -129,125 +127,6 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
-
-
-class Nodes:
-    """Where the nodes of a multi-node run meet (launcher.nnodes > 1), and how they reach each
-    other: the rendezvous endpoint, this node's address on the interface that routes there, and
-    that interface's name for gloo and NCCL."""
-
-    def __init__(self, endpoint: str, node_rank: int | None, interface: str, address: str) -> None:
-        self.endpoint, self.node_rank, self.interface, self.address = endpoint, node_rank, interface, address
-
-    @classmethod
-    def of(cls, cfg: LocalLauncherConfig) -> Nodes:
-        endpoint = str(cfg.rdzv_endpoint)
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise UserError(
-                f"launcher.rdzv_endpoint={endpoint} is not host:port: give the first node's name or address "
-                "and a free port, e.g. launcher.rdzv_endpoint=node1:29500"
-            )
-        try:
-            target = socket.gethostbyname(host)
-        except OSError:
-            raise UserError(
-                f"launcher.rdzv_endpoint={endpoint}: {host} does not resolve on this node: use a name this node "
-                "resolves, or the first node's address"
-            ) from None
-        if cfg.network_interface is not None:
-            interface = cfg.network_interface
-            address = interface_address(interface)
-            if address is None:
-                names = ", ".join(name for _, name in socket.if_nameindex())
-                raise UserError(
-                    f"launcher.network_interface={interface} is not an interface of this node with an IPv4 "
-                    f"address (it has: {names}): name one, or leave it unset to use the one that reaches {host}"
-                )
-        else:
-            address = route_source(target, int(port))
-            interface = next((name for _, name in socket.if_nameindex() if interface_address(name) == address), "")
-            if not interface:
-                raise UserError(
-                    f"launcher.rdzv_endpoint={endpoint}: no network interface of this node reaches {target}: "
-                    "check the address, or name the interface with launcher.network_interface"
-                )
-        return cls(endpoint, cfg.node_rank, interface, address)
-
-    def run_id(self) -> str:
-        return "dtf-" + hashlib.sha256(self.endpoint.encode()).hexdigest()[:12]
-
-    def rdzv_configs(self) -> dict[str, Any]:
-        # node_rank 0 hosts the rendezvous store; unset: torch decides by the endpoint's address
-        return {} if self.node_rank is None else {"is_host": self.node_rank == 0}
-
-
-def lost_node(failure: failures.RankFailure, run_dir: str) -> str | None:
-    """A rank that failed because a peer on another node went away (its processes died, or its
-    network): which node that was and which ranks ran there, from gloo's "Connection closed by
-    peer [address]" and <run_dir>/logs/nodes.json."""
-    import re
-
-    from dtf.worker import NODES_FILE
-
-    found = re.search(r"Connection closed by peer \[([0-9.]+)\]", failure.message)
-    if found is None:
-        return None
-    address = found.group(1)
-    try:
-        ranks = json.loads((Path(run_dir) / NODES_FILE).read_text())["ranks"]
-    except (OSError, ValueError, KeyError):
-        ranks = {}
-    there = sorted(int(r) for r, a in ranks.items() if a == address)
-    try:
-        name = f"{socket.gethostbyaddr(address)[0]} ({address})"
-    except OSError:
-        name = address
-    who = f", ranks {', '.join(map(str, there))}" if there else ""
-    return (
-        f"lost the node {name}{who}: its processes died or it dropped off the network, and rank "
-        f"{failure.rank} saw its connection close; the run stopped, and the same command on every node "
-        "continues it from the last checkpoint"
-    )
-
-
-def route_source(address: str, port: int) -> str:
-    """This node's address on the route to address (a UDP socket's connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((address, port))
-        return str(s.getsockname()[0])
-
-
-def interface_address(name: str) -> str | None:
-    """The IPv4 address of a network interface (Linux's SIOCGIFADDR), or None."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-@contextlib.contextmanager
-def between_nodes(nodes: Nodes | None) -> Iterator[None]:
-    """gloo, NCCL (and TensorPipe) bind to the interface that reaches the other nodes, not to
-    whatever the machine's name resolves to (often 127.0.1.1, or a management network)."""
-    if nodes is None:
-        yield
-        return
-    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
-    saved = {k: os.environ.get(k) for k in keys}
-    for key in keys:
-        os.environ.setdefault(key, nodes.interface)  # a user's own setting wins
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
 
 
 def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:

@@ -81,10 +81,21 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
         MASTER_ADDR=hosts[0],
         MASTER_PORT=port,
     )
+    if len(set(hosts)) > 1:  # gloo/NCCL on the interface that reaches rank 0's host
+        for key, value in _interface_env(hosts[0]).items():
+            os.environ.setdefault(key, value)
     with _output_to(_log_path(run_dir, rank)):
         result = fn(cfg, run_dir)  # a failure is recorded (dtf.failures) and fails the task, so Spark ends the stage
     if rank == 0:
         yield result
+
+
+def _interface_env(rank0_host: str) -> dict[str, str]:
+    from dtf.launch.nodes import interface_address, route_source
+
+    address = route_source(socket.gethostbyname(rank0_host), 9)
+    names = [name for _, name in socket.if_nameindex() if interface_address(name) == address]
+    return {key: names[0] for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} if names else {}
 
 
 def require_java(what: str) -> None:
@@ -169,13 +180,31 @@ class SparkLauncher(Launcher):
             # The user's modules (model/data _target_s) import on the executors as on the driver.
             "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in paths if p),
             "spark.executorEnv.OMP_NUM_THREADS": "1",
-            **({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if local else {}),
+            **_driver_address(master, local),
             **{str(k): str(v) for k, v in c.spark_conf.items() if k != "spark.driver.extraJavaOptions"},
         }
         builder = SparkSession.builder.master(master).appName(c.app_name)
         for key, value in conf.items():
             builder = builder.config(key, value)
         return builder.getOrCreate()
+
+
+def _driver_address(master: str, local: bool) -> dict[str, str]:
+    """Where the executors reach this driver: 127.0.0.1 for a local cluster; for a standalone
+    master elsewhere, this machine's address on the route to it (its host name may resolve to
+    127.0.1.1, or to another network); YARN and Kubernetes: Spark's own choice."""
+    if local:
+        return {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+    if not master.startswith("spark://"):
+        return {}
+    from dtf.launch.nodes import route_source
+
+    url = urlparse(master.split(",")[0])
+    try:
+        address = route_source(socket.gethostbyname(url.hostname or ""), url.port or 7077)
+    except OSError:
+        return {}
+    return {"spark.driver.host": address, "spark.driver.bindAddress": address}
 
 
 def _active_session(master: str | None) -> Any | None:

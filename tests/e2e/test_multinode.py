@@ -146,3 +146,35 @@ def test_losing_a_host_ends_the_run_in_seconds_naming_the_host(hosts: list[str],
     last = err.strip().splitlines()[-1]
     assert re.match(rf"dtf: error: lost the node {hosts[1]} \(198\.18\.0\.2\), ranks 1: ", last), last
     assert took < 30, took  # seen here: ~2 s (the peer's kernel closes its sockets)
+
+
+@pytest.fixture(scope="module")
+def spark_on_hosts(hosts: list[str]) -> Iterator[str]:
+    """A Spark standalone master on the first host and a worker on each (scripts/local-spark.sh)."""
+    env = {"DTF_SPARK_HOSTS": " ".join(hosts), "DTF_SPARK_DIR": "/tmp/dtf-spark-hosts"}
+    with script_cluster("local-spark.sh", "SPARK_MASTER_URL", env) as url:
+        yield url
+
+
+def test_spark_ranks_on_two_hosts_are_two_ranks_on_one(
+    hosts: list[str], spark_on_hosts: str, tmp_path: Path, short_local_run: DtfRun
+) -> None:
+    # The driver on the first host; the barrier stage's two tasks land on the two workers, one per
+    # host, and meet at rank 0's host over the bridge.
+    run_dir = tmp_path / "run"
+    cmd = ["bash", str(SCRIPTS / "local-hosts.sh"), "run", hosts[0], sys.executable, "-m", "dtf"]
+    args = [
+        *TEST_DEFAULTS,
+        *SHORT_RUN,
+        "launcher=spark",
+        f"launcher.master={spark_on_hosts}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, env=dtf_env(), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    import json
+
+    addresses = json.loads((run_dir / "logs" / "nodes.json").read_text())["ranks"]
+    assert sorted(addresses.values()) == ["198.18.0.1", "198.18.0.2"]  # one rank on each host
+    s = DtfRun(0, "", "", run_dir).summary
+    assert s["launcher"] == "spark" and s["params_sha256"] == short_local_run.summary["params_sha256"]
