@@ -29,6 +29,7 @@ start() {
   command -v ip >/dev/null || { log "needs iproute2 (ip)"; exit 1; }
   mkdir -p "$DIR"
   : >"$DIR/made"
+  if [ ! -d /etc/netns ]; then mkdir /etc/netns && echo "dir /etc/netns" >>"$DIR/made"; fi
   ip link add "$BRIDGE" type bridge
   echo "link $BRIDGE" >>"$DIR/made"
   ip link set "$BRIDGE" up

@@ -88,11 +88,13 @@ class Nodes:
 
 def lost_node(failure: failures.RankFailure, run_dir: str) -> str | None:
     """A rank that failed because a peer on another node went away (its processes died, or its
-    network): which node that was and which ranks ran there, from gloo's "Connection closed by
-    peer [address]" and <run_dir>/logs/nodes.json."""
+    network): which node that was and which ranks ran there, from gloo's error (which names the
+    peer's address) and <run_dir>/logs/nodes.json."""
     import re
 
-    found = re.search(r"Connection closed by peer \[([0-9.]+)\]", failure.message)
+    # gloo's words for a peer gone: "Connection closed by peer [a]:p", "Read error [a]:p: Connection
+    # reset by peer", "Write error [a]:p: Broken pipe"
+    found = re.search(r"(?:Connection closed by peer|Read error|Write error) \[([0-9.]+)\]", failure.message)
     if found is None:
         return None
     address = found.group(1)
