@@ -11,6 +11,9 @@
 # $DTF_SLURM_PORT (default 6817) is slurmctld's port, slurmd's is the next one: a second cluster in
 # another $DTF_SLURM_DIR with other ports runs beside the first (the tests use one to stop and start).
 # Needs root (or sudo) for apt and for the daemons. Nothing listens beyond 127.0.0.1's host name.
+# DTF_SLURM_HOSTS="dtf-h1 dtf-h2" (hosts of scripts/local-hosts.sh): a node on each, slurmctld
+# on the first; the cluster's commands (sbatch, squeue, python -m dtf launcher=slurm) then run on
+# one of the hosts: scripts/local-hosts.sh run dtf-h1 <command>.
 set -euo pipefail
 
 DIR="${DTF_SLURM_DIR:-/tmp/dtf-slurm}"
@@ -19,6 +22,35 @@ CONF="$DIR/slurm.conf"
 export SLURM_CONF="$CONF" # for the squeue/scancel/sinfo calls below
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+read -r -a HOSTS <<<"${DTF_SLURM_HOSTS:-}"
+if [ "${#HOSTS[@]}" -gt 0 ]; then
+  NODES=("${HOSTS[@]}")
+  address() { awk -v h="$1" '$2 == h { print $1 }' "/etc/netns/$1/hosts"; }
+  on() { local h="$1"; shift; $SUDO ip netns exec "$h" "$@"; }
+  ctl() { on "${HOSTS[0]}" "$@"; } # the controller is reached from the hosts only
+  # `ip netns exec` mounts a sysfs of the host's own, without the cgroup tree slurmd reads: it
+  # gets one (v1, as this machine's) in the mount namespace the command runs in; nothing outside
+  # it changes.
+  on_node() {
+    local h="$1"
+    shift
+    # shellcheck disable=SC2016
+    $SUDO ip netns exec "$h" sh -c 'mount -t tmpfs cgroup_root /sys/fs/cgroup &&
+      for c in cpu cpuacct cpuset memory devices freezer pids; do
+        mkdir -p "/sys/fs/cgroup/$c" && mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c"
+      done && mkdir -p /sys/fs/cgroup/systemd &&
+      mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd && exec "$@"' sh "$@"
+  }
+  # slurmctld runs where its own host name is SlurmctldHost: the hosts share the machine's name
+  controller_name() { hostname -s; }
+else
+  NODES=(localhost)
+  address() { echo 127.0.0.1; }
+  on() { shift; $SUDO "$@"; }
+  ctl() { "$@"; }
+  on_node() { on "$@"; }
+  controller_name() { echo localhost; }
+fi
 
 log() { echo "local-slurm: $*" >&2; }
 
@@ -35,7 +67,7 @@ write_conf() {
   cpus="$(nproc)"
   cat >"$CONF" <<CONF
 ClusterName=dtf-local
-SlurmctldHost=localhost
+SlurmctldHost=$(controller_name)($(address "${NODES[0]}"))
 AuthType=auth/munge
 CryptoType=crypto/munge
 MpiDefault=none
@@ -47,11 +79,11 @@ ReturnToService=2
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 SchedulerType=sched/backfill
@@ -65,8 +97,8 @@ MinJobAge=300
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+$(for n in "${NODES[@]}"; do echo "NodeName=$n NodeAddr=$(address "$n") CPUs=$cpus State=UNKNOWN"; done)
+PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
 }
 
@@ -79,6 +111,10 @@ alive() {
 }
 
 running() { [ -f "$DIR/run/$1.pid" ] && alive "$(cat "$DIR/run/$1.pid")"; }
+all_slurmd_running() {
+  local n
+  for n in "${NODES[@]}"; do running "slurmd-$n" || return 1; done
+}
 
 # Waits up to $1 seconds for command $2... to succeed.
 wait_until() {
@@ -136,7 +172,7 @@ tree_of() {
   done
 }
 
-no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
+no_jobs() { [ -z "$(ctl squeue -h -o %i 2>/dev/null)" ]; }
 
 # Cancels every job of the cluster and waits until none is listed (COMPLETING included: its
 # slurmstepd is still cleaning up). A stop that only ended the daemons would leave job steps
@@ -144,11 +180,11 @@ no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
 cancel_jobs() {
   running slurmctld || return 0
   local jobs=()
-  mapfile -t jobs < <(squeue -h -o %i 2>/dev/null || true)
+  mapfile -t jobs < <(ctl squeue -h -o %i 2>/dev/null || true)
   [ "${#jobs[@]}" -gt 0 ] || return 0
   log "cancelling job(s) ${jobs[*]}"
   # As SLURM ends a job: SIGTERM (dtf's ranks stop cleanly), SIGKILL only after KillWait (30 s).
-  scancel "${jobs[@]}" 2>/dev/null || true
+  ctl scancel "${jobs[@]}" 2>/dev/null || true
   wait_until 10 no_jobs && return
   # Sooner than that: SIGKILL to everything under the steps (scancel refuses a job already
   # cancelled); their slurmstepd sees them gone and ends the job.
@@ -159,7 +195,7 @@ cancel_jobs() {
     log "killing what still runs in the job steps: ${pids[*]}"
     [ "${#pids[@]}" -eq 0 ] || $SUDO kill -KILL "${pids[@]}" 2>/dev/null || true
   fi
-  wait_until 20 no_jobs || log "job(s) still listed: $(squeue -h -o '%i %T' | tr '\n' ' ')"
+  wait_until 20 no_jobs || log "job(s) still listed: $(ctl squeue -h -o '%i %T' | tr '\n' ' ')"
 }
 
 # Kills job processes that outlived the daemons (what cancel_jobs could not end, or a cluster that
@@ -184,7 +220,7 @@ stop_daemon() {
 }
 
 start() {
-  if running slurmctld && running slurmd; then
+  if running slurmctld && all_slurmd_running; then
     log "already running"
     echo "export SLURM_CONF=$CONF"
     return
@@ -196,24 +232,28 @@ start() {
   rm -rf "$DIR/state" "$DIR/spool"
   write_conf
   start_munge
-  $SUDO slurmctld -f "$CONF"
-  $SUDO env DTF_SLURM_DIR="$DIR" slurmd -f "$CONF" -N localhost
+  local n
+  for n in "${NODES[@]}"; do mkdir -p "$DIR/spool/$n"; done
+  on "${NODES[0]}" slurmctld -f "$CONF"
+  for n in "${NODES[@]}"; do on_node "$n" env DTF_SLURM_DIR="$DIR" slurmd -f "$CONF" -N "$n"; done
   for _ in $(seq 1 60); do
-    if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
-      log "cluster up: $(sinfo -h -o '%P %D %c %t')"
+    if [ "$(ctl sinfo -h -N -o %t 2>/dev/null | grep -cE '^(idle|mix|alloc)')" -ge "${#NODES[@]}" ]; then
+      log "cluster up: $(ctl sinfo -h -o '%P %D %c %t')"
       echo "export SLURM_CONF=$CONF"
       return
     fi
     sleep 1
   done
-  log "the node did not come up; see $DIR/log/"
-  tail -n 20 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true
+  log "the node(s) did not come up; see $DIR/log/"
+  tail -n 20 "$DIR"/log/slurm*.log >&2 || true
   exit 1
 }
 
 stop_cluster() {
   cancel_jobs
-  stop_daemon slurmd
+  local n
+  for n in "${NODES[@]}"; do stop_daemon "slurmd-$n"; done
+  stop_daemon slurmd # a cluster started by an earlier version of this script
   stop_daemon slurmctld
   reap_steps
 }

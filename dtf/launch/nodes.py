@@ -27,7 +27,9 @@ def record_nodes(run_dir: Path, env: DistEnv) -> None:
     (connection closed by <address>) can name the node and the ranks that went away."""
     import torch.distributed as dist  # in the ranks only: the driver imports this module too
 
-    address = interface_address(os.environ.get("GLOO_SOCKET_IFNAME", "")) or os.environ.get("MASTER_ADDR", "?")
+    address = interface_address(os.environ.get("GLOO_SOCKET_IFNAME", "")) or route_source(
+        socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1")), 9
+    )
     everyone: list[object] = [None] * env.world_size
     dist.all_gather_object(everyone, address)
     if env.is_main:

@@ -178,3 +178,80 @@ def test_spark_ranks_on_two_hosts_are_two_ranks_on_one(
     assert sorted(addresses.values()) == ["198.18.0.1", "198.18.0.2"]  # one rank on each host
     s = DtfRun(0, "", "", run_dir).summary
     assert s["launcher"] == "spark" and s["params_sha256"] == short_local_run.summary["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def slurm_on_hosts(hosts: list[str]) -> Iterator[str]:
+    """A SLURM cluster with a node on each host and slurmctld on the first (scripts/local-slurm.sh)."""
+    env = {"DTF_SLURM_HOSTS": " ".join(hosts), "DTF_SLURM_DIR": "/tmp/dtf-slurm-hosts", "DTF_SLURM_PORT": "6827"}
+    with script_cluster("local-slurm.sh", "SLURM_CONF", env) as conf:
+        yield conf
+
+
+def on_first_host(hosts: list[str], conf: str, *cmd: str) -> list[str]:
+    """A command run on the first host, where the cluster's controller is reachable."""
+    return ["env", f"SLURM_CONF={conf}", "bash", str(SCRIPTS / "local-hosts.sh"), "run", hosts[0], *cmd]
+
+
+def test_a_slurm_job_over_two_hosts_is_two_ranks_on_one(
+    hosts: list[str], slurm_on_hosts: str, tmp_path: Path, short_local_run: DtfRun
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [*TEST_DEFAULTS, *SHORT_RUN, "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1"]
+    cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *args, f"hydra.run.dir={run_dir}")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dtf_env(), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    import json
+
+    addresses = json.loads((run_dir / "logs" / "nodes.json").read_text())["ranks"]
+    assert sorted(addresses.values()) == ["198.18.0.1", "198.18.0.2"]  # one task on each node
+    s = DtfRun(0, "", "", run_dir).summary
+    assert s["launcher"] == "slurm" and s["params_sha256"] == short_local_run.summary["params_sha256"]
+
+
+def test_a_preempted_two_node_job_requeues_and_ends_as_the_uninterrupted_run(
+    hosts: list[str], slurm_on_hosts: str, tmp_path: Path
+) -> None:
+    import json
+    import re
+    import time
+
+    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT_RUN, "trainer.max_steps=100"]
+    straight = run_dtf(args, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir, out = tmp_path / "preempted", tmp_path / "preempted.out"
+    slurm = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "+model.delay_s=0.05"]
+    cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
+    with open(out, "w") as f:
+        proc = subprocess.Popen([*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env())
+    try:
+        deadline = time.monotonic() + 180
+        while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.5)
+        job = re.search(r"submitted SLURM job (\d+)", out.read_text())
+        assert job, out.read_text()
+        subprocess.run(on_first_host(hosts, slurm_on_hosts, "scancel", "--signal=USR1", job.group(1)), check=True)
+        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out
+        for _ in range(50):
+            squeue = on_first_host(hosts, slurm_on_hosts, "squeue", "-h", "-j", job.group(1), "-o", "%T")
+            if subprocess.run(squeue, capture_output=True, text=True).stdout.strip() == "PENDING":
+                update = ["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]
+                subprocess.run(on_first_host(hosts, slurm_on_hosts, *update), check=True)
+                break
+            time.sleep(0.2)
+        assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", out.read_text())
+    assert stopped, out.read_text()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == int(stopped.group(1)) and summary["slurm_restarts"] == 1
+    assert sorted(json.loads((run_dir / "logs" / "nodes.json").read_text())["ranks"].values()) == [
+        "198.18.0.1",
+        "198.18.0.2",
+    ]
+    assert summary["params_sha256"] == straight.summary["params_sha256"]
