@@ -234,10 +234,15 @@ def test_a_preempted_two_node_job_requeues_and_ends_as_the_uninterrupted_run(
         subprocess.run(on_first_host(hosts, slurm_on_hosts, "scancel", "--signal=USR1", job.group(1)), check=True)
         while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out
+        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out.
+        # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
+        # job's old one was revoked ("Job credential revoked"), and the job would fail..
+        # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
+        # job's old one was revoked ("Job credential revoked"), and the job would fail.
         for _ in range(50):
             squeue = on_first_host(hosts, slurm_on_hosts, "squeue", "-h", "-j", job.group(1), "-o", "%T")
             if subprocess.run(squeue, capture_output=True, text=True).stdout.strip() == "PENDING":
+                time.sleep(1.1)
                 update = ["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]
                 subprocess.run(on_first_host(hosts, slurm_on_hosts, *update), check=True)
                 break

@@ -96,10 +96,13 @@ def test_a_preempted_job_checkpoints_requeues_and_ends_as_the_uninterrupted_run(
     subprocess.run(["scancel", "--signal=USR1", job.group(1)], check=True)
     while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out
+    # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out.
+    # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
+    # job's old one was revoked ("Job credential revoked"), and the job would fail.
     for _ in range(50):
         state = subprocess.run(["squeue", "-h", "-j", job.group(1), "-o", "%T"], capture_output=True, text=True)
         if state.stdout.strip() == "PENDING":
+            time.sleep(1.1)
             subprocess.run(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"], check=True)
             break
         time.sleep(0.2)
