@@ -86,7 +86,7 @@ def run_function(
         raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
     given = list(overrides or [])
     cfg, default_dir, _ = _compose([*given, "trainer.fn=null"], config_dir, "run")
-    sections = freeze(cfg, function_given=True)
+    sections = freeze(cfg)
     payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
     directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     _write_hydra_files(cfg, given, directory)

@@ -48,18 +48,11 @@ def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     return launch_frozen(freeze(cfg), cfg, run_dir)
 
 
-def freeze(cfg: DictConfig, function_given: bool = False) -> RunConfig:
-    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections.
-    function_given: dtf.run_function brings the training function itself (trainer=function)."""
+def freeze(cfg: DictConfig) -> RunConfig:
+    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
     sections = validate(cfg)
-    if (function_given or cfg.trainer.get("fn") is not None) and getattr(sections.strategy, "stage", None) == 1:
-        raise UserError(
-            "strategy.stage=1 shards the optimizer dtf builds, and with trainer=function your function builds its "
-            "own: use strategy.stage=2 or 3 (they shard through the parameters, so your optimizer's state is "
-            "sharded too), or strategy=ddp"
-        )
     hydra_sweep.check_direction(sections.trainer.objective_mode.value)
     OmegaConf.set_readonly(cfg, True)
     return sections

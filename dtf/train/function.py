@@ -98,13 +98,68 @@ class ModuleFactory:
     def __init__(self, build: Callable[..., nn.Module], strategy: strategies.Strategy, env: DistEnv) -> None:
         self._build, self._strategy, self._env = build, strategy, env
         self.models: list[nn.Module] = []
+        self.owners: list[ParameterOwners] = []
 
     def __call__(self, **kwargs: Any) -> nn.Module:
+        from dtf.strategy.ddp import DDPStrategy
+        from dtf.strategy.zero1 import Zero1Strategy
+
         model = self._strategy.build_model(lambda: self._build(**kwargs))
-        wrapped, _ = self._strategy.setup(model, _no_optimizer, self._env)
+        if isinstance(self._strategy, Zero1Strategy):  # its optimizer is the function's: sharded by owner
+            wrapped, _ = DDPStrategy.setup(self._strategy, model, _no_optimizer, self._env)
+            self.owners.append(ParameterOwners(wrapped, self._env))
+        else:
+            wrapped, _ = self._strategy.setup(model, _no_optimizer, self._env)
         _eval_without_collectives(wrapped)
         self.models.append(wrapped)
         return wrapped
+
+    def close(self) -> None:
+        for owners in self.owners:
+            owners.close()
+
+
+class ParameterOwners:
+    """ZeRO stage 1 for an optimizer the function builds itself. Each parameter has one owner rank
+    (the largest first, each to the least loaded rank, as torch's ZeroRedundancyOptimizer
+    partitions). Before a step the gradients a rank does not own are dropped, so its optimizer
+    skips those parameters and keeps state for its own only; after it each owner broadcasts what
+    it updated. The gradients are DDP's averaged ones: every parameter moves as under DDP."""
+
+    def __init__(self, model: nn.Module, env: DistEnv) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.rank = env.rank
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        loads = [0] * env.world_size
+        self.owner: dict[nn.Parameter, int] = {}
+        for p in sorted(self.params, key=lambda p: -p.numel()):  # stable: the same on every rank
+            self.owner[p] = loads.index(min(loads))
+            loads[self.owner[p]] += p.numel()
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._drop_foreign_gradients),
+            register_optimizer_step_post_hook(self._broadcast_updates),
+        ]
+
+    def _steps_these(self, optimizer: Any) -> bool:
+        return any(p in self.owner for group in optimizer.param_groups for p in group["params"])
+
+    def _drop_foreign_gradients(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._steps_these(optimizer):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if self.owner.get(p, self.rank) != self.rank:
+                        p.grad = None
+
+    def _broadcast_updates(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._steps_these(optimizer):
+            with torch.no_grad():
+                for p in self.params:  # the same order on every rank
+                    dist.broadcast(p.data, src=self.owner[p])
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _no_optimizer(params: Any) -> Any:
@@ -149,16 +204,30 @@ def _reshards_after_forward(module: nn.Module) -> bool:
 
 
 class StepCounter:
-    """Optimizer steps this rank took while the function ran (torch's global step hook)."""
+    """Optimizer steps this rank took while the function ran (torch's global step hook), and the
+    optimizers that took them."""
 
     def __init__(self) -> None:
         self.steps = 0
+        self.optimizers: list[Any] = []
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self._count)
 
     def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+    def state_bytes(self) -> int:
+        """The optimizers' state on this rank (Adam's moments: what ZeRO shards)."""
+        return sum(
+            t.numel() * t.element_size()
+            for o in self.optimizers
+            for state in o.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
 
     def close(self) -> None:
         self._handle.remove()
@@ -189,9 +258,10 @@ def run(cfg: DictConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -
         returned = fn(factory, dict(hparams), train_shard, test_shard)
     finally:
         counter.close()
+        factory.close()
     seconds = time.perf_counter() - started
     result = _averaged(returned, len(test_shard) if test_shard is not None else 1, env)
-    return _finish(cfg, env, run_dir, factory, strategy, result, counter.steps, seconds, len(train_set))  # type: ignore[arg-type]
+    return _finish(cfg, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
 
 
 def _inputs(
@@ -262,14 +332,19 @@ def _finish(
     factory: ModuleFactory,
     strategy: strategies.Strategy,
     result: float | dict[str, float],
-    steps: int,
+    counter: StepCounter,
     seconds: float,
     num_samples: int,
 ) -> Finished | None:
     r = typed(cfg)
     states = [strategy.full_state_dict(m) for m in factory.models]  # an all-gather for sharded models
     digests = [run_summary.params_sha256(state) for state in states]
-    local = {"steps": steps, "digest": ",".join(digests), "peak_rss": run_summary.peak_rss_bytes()}
+    local = {
+        "steps": counter.steps,
+        "digest": ",".join(digests),
+        "peak_rss": run_summary.peak_rss_bytes(),
+        "optimizer_state": counter.state_bytes(),
+    }
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, local)
     if not env.is_main:
@@ -296,6 +371,7 @@ def _finish(
         "params_sha256": gathered[0]["digest"] or None,  # of each model the function built, comma-separated
         "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,
         "peak_rss_bytes": [g["peak_rss"] for g in gathered],
+        "optimizer_state_bytes": [g["optimizer_state"] for g in gathered],
         "train_seconds": seconds,
         "strategy": r.strategy.name,
         "strategy_settings": OmegaConf.to_container(cfg.strategy),

@@ -59,9 +59,11 @@ print(json.dumps([plain, params_sha256(built[0].state_dict()), s]))
     assert summary["world_size"] == 1 and summary["steps_per_rank"] == [2 * 40]  # 2 epochs of ceil(2500 / 64)
 
 
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=2"], ["strategy=fsdp"]])
-def test_on_two_ranks_it_trains_under_every_strategy_and_the_ranks_agree(dtf, strategy: list[str]) -> None:  # type: ignore[no-untyped-def]
-    run = dtf(*FUNCTION, *strategy, "data.dataset.num_points=4000", "data.dataset.num_test=1000")
+SMALL = ["data.dataset.num_points=4000", "data.dataset.num_test=1000"]
+
+
+def check_two_ranks(run) -> dict:  # type: ignore[no-untyped-def]
+    """It trained on 2 ranks that agree, and returned the loss over the whole test set."""
     assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s["world_size"] == 2 and s["params_sha256_consistent"]
@@ -69,6 +71,25 @@ def test_on_two_ranks_it_trains_under_every_strategy_and_the_ranks_agree(dtf, st
     assert s["result"] < 0.5  # z = sin(y) + cos(x) has variance ~1: it learned
     # What the ranks returned, averaged by their test samples, is the loss over the whole test set.
     assert s["result"] == pytest.approx(full_test_loss(run.run_dir, 4000, 1000), rel=1e-5)
+    return s
+
+
+def test_on_two_ranks_ddp_and_zero_stage_1_train_the_same_parameters(dtf) -> None:  # type: ignore[no-untyped-def]
+    # ZeRO-1 with the function's own optimizer: each rank steps only the parameters it owns, with
+    # DDP's averaged gradients, and broadcasts them: every parameter moves as under DDP, bit for bit.
+    ddp = check_two_ranks(dtf(*FUNCTION, "strategy=ddp", *SMALL))
+    zero = check_two_ranks(dtf(*FUNCTION, "strategy=zero", *SMALL))
+    assert zero["strategy_settings"]["stage"] == 1 and zero["params_sha256"] == ddp["params_sha256"]
+    # ... while each rank holds Adam's state for its own parameters only: together, one DDP rank's
+    full = ddp["optimizer_state_bytes"]
+    assert full[0] == full[1] and sum(zero["optimizer_state_bytes"]) == full[0]
+    # (by whole parameters, as torch's ZeroRedundancyOptimizer: here one 100x100 weight is most of it)
+    assert 0 < min(zero["optimizer_state_bytes"]) and max(zero["optimizer_state_bytes"]) < full[0]
+
+
+@pytest.mark.parametrize("strategy", [["strategy=zero", "strategy.stage=2"], ["strategy=fsdp"]])
+def test_on_two_ranks_it_trains_under_the_sharded_strategies_and_the_ranks_agree(dtf, strategy: list[str]) -> None:  # type: ignore[no-untyped-def]
+    check_two_ranks(dtf(*FUNCTION, *strategy, *SMALL))
 
 
 def test_uneven_data_on_three_sharded_ranks_never_hangs(dtf) -> None:  # type: ignore[no-untyped-def]
@@ -93,7 +114,10 @@ def test_uneven_data_on_three_sharded_ranks_never_hangs(dtf) -> None:  # type: i
     ("args", "start"),
     [
         (["trainer=function"], "dtf: error: trainer.fn._target_ is not set"),
-        ([*FUNCTION, "strategy=zero"], "dtf: error: strategy.stage=1 shards the optimizer dtf builds"),
+        (
+            [*FUNCTION, "+trainer.fn.epochs=3"],
+            "dtf: error: trainer.fn.epochs is not a parameter of maggy_function.train",
+        ),
     ],
 )
 def test_what_function_mode_cannot_do_is_one_line(dtf, args: list[str], start: str) -> None:  # type: ignore[no-untyped-def]
