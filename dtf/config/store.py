@@ -44,4 +44,24 @@ def register() -> None:
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(name=name, node=node)
+    register_recipes(cs)
     OmegaConf.register_new_resolver("dtf_stamp", run_stamp, use_cache=True, replace=True)
+
+
+def recipe_names() -> list[str]:
+    """The recipes: recipes/<name>.yaml at the repository's top, the package dtf.recipes once installed."""
+    from importlib.resources import files
+
+    return sorted(p.name.removesuffix(".yaml") for p in files("dtf.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def register_recipes(cs: ConfigStore) -> None:
+    """Each recipe is the option <name> of the group `recipe` (+recipe=<name>), a global config as
+    an experiment is. They are stored here rather than found on the search path because the
+    recipes live beside conf/, not in it, and a search path entry would have to name a directory
+    with a `recipe/` folder inside, which neither a checkout nor the wheel has."""
+    from importlib.resources import files
+
+    for name in recipe_names():
+        node = OmegaConf.create((files("dtf.recipes") / f"{name}.yaml").read_text())
+        cs.store(group="recipe", name=name, node=node, package="_global_")

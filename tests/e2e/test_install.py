@@ -14,7 +14,7 @@ from tests.helpers import side_venv
 
 REPO = Path(__file__).resolve().parents[2]
 # What a source distribution of dtf holds: the build needs nothing else.
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "conf", "dtf", "hydra_plugins"]
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "conf", "recipes", "dtf", "hydra_plugins"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,9 @@ def test_the_installed_package_carries_the_config_tree(installed_python: Path, t
     assert sorted(p.relative_to(conf).as_posix() for p in conf.rglob("*.yaml")) == sorted(
         p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*.yaml")
     )
+    # and the recipes, as the package dtf.recipes (+recipe=<name>)
+    recipes = Path(where[0]).parent / "recipes"
+    assert sorted(p.name for p in recipes.glob("*.yaml")) == sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
 
 
 def test_the_installed_package_composes_and_trains_from_another_directory(
@@ -90,6 +93,9 @@ def test_the_installed_package_composes_and_trains_from_another_directory(
     shown = _run(installed_python, tmp_path, "--cfg", "job")
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "_target_: dtf.models.approximator.Approximator" in shown.stdout
+    recipe = _run(installed_python, tmp_path, "+recipe=horovod_mnist", "--cfg", "job")
+    assert recipe.returncode == 0, recipe.stderr[-3000:]
+    assert "_target_: dtf.models.mnist_cnn.MnistCNN" in recipe.stdout
     run_dir = tmp_path / "run"
     trained = _run(
         installed_python,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from dtf.config.store import recipe_names
+
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 
@@ -42,3 +46,38 @@ def test_several_modules_with_a_user_step_function(dtf) -> None:  # type: ignore
     s = run.summary
     assert s["params_sha256_consistent"]
     assert s["final_test_loss"] < 0.5  # z = sin(y) + cos(x) has variance ~1; a trained net is far below
+
+
+# ---- every recipe (recipes/*.yaml), so that none can rot -------------------------------------
+
+TINY = ["trainer.max_steps=3", "trainer.max_epochs=1", "trainer.progress=off", "launcher=local", "launcher.nproc=2"]
+
+
+def _compose(overrides: list[str], hydra: bool = False):  # type: ignore[no-untyped-def]
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("dtf.conf", version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=hydra)
+
+
+def test_the_recipes_are_found() -> None:
+    assert {"maggy_approximator", "horovod_mnist", "alcf_scaling", "slurm_preemption"} <= set(recipe_names())
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_recipe_composes_validates_and_runs_for_a_tiny_budget(dtf, name: str) -> None:  # type: ignore[no-untyped-def]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dtf.config.validate import validate
+
+    validate(_compose([f"+recipe={name}"]))  # as written, its own launcher included
+    # a sweep recipe: each of its points composes and validates too
+    params = _compose([f"+recipe={name}"], hydra=True).hydra.sweeper.get("params") or {}
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    for point in [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]:
+        validate(_compose([f"+recipe={name}", *point]))
+    # and it trains, for a few steps on 2 local ranks
+    run = dtf(f"+recipe={name}", *TINY)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.summary["global_step"] == 3 and run.summary["params_sha256_consistent"]
