@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
-from tests.helpers.clusters import SCRIPTS, script_cluster
+from tests.helpers.clusters import SCRIPTS, preempt_and_requeue, script_cluster
 
 
 @pytest.fixture(scope="module")
@@ -214,45 +214,18 @@ def test_a_preempted_two_node_job_requeues_and_ends_as_the_uninterrupted_run(
 ) -> None:
     import json
     import re
-    import time
 
     args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT_RUN, "trainer.max_steps=100"]
     straight = run_dtf(args, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    run_dir, out = tmp_path / "preempted", tmp_path / "preempted.out"
     slurm = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "+model.delay_s=0.05"]
     cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
-    with open(out, "w") as f:
-        proc = subprocess.Popen([*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env())
-    try:
-        deadline = time.monotonic() + 180
-        while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        time.sleep(1.5)
-        job = re.search(r"submitted SLURM job (\d+)", out.read_text())
-        assert job, out.read_text()
-        subprocess.run(on_first_host(hosts, slurm_on_hosts, "scancel", "--signal=USR1", job.group(1)), check=True)
-        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out.
-        # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
-        # job's old one was revoked ("Job credential revoked"), and the job would fail..
-        # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
-        # job's old one was revoked ("Job credential revoked"), and the job would fail.
-        for _ in range(50):
-            squeue = on_first_host(hosts, slurm_on_hosts, "squeue", "-h", "-j", job.group(1), "-o", "%T")
-            if subprocess.run(squeue, capture_output=True, text=True).stdout.strip() == "PENDING":
-                time.sleep(1.1)
-                update = ["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]
-                subprocess.run(on_first_host(hosts, slurm_on_hosts, *update), check=True)
-                break
-            time.sleep(0.2)
-        assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", out.read_text())
-    assert stopped, out.read_text()[-3000:]
+    run_dir = tmp_path / "preempted"
+    text = preempt_and_requeue(
+        cmd, run_dir, tmp_path / "preempted.out", lambda c: on_first_host(hosts, slurm_on_hosts, *c)
+    )
+    stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", text)
+    assert stopped, text[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_step"] == int(stopped.group(1)) and summary["slurm_restarts"] == 1
     assert sorted(json.loads((run_dir / "logs" / "nodes.json").read_text())["ranks"].values()) == [

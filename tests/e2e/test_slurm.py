@@ -19,8 +19,8 @@ import optuna
 import pytest
 
 from dtf.sweep.study import open_storage
-from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
-from tests.helpers.clusters import run_script, script_cluster
+from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, run_dtf
+from tests.helpers.clusters import preempt_and_requeue, run_script, script_cluster
 
 SHORT = SHORT_RUN
 
@@ -81,33 +81,9 @@ def test_a_preempted_job_checkpoints_requeues_and_ends_as_the_uninterrupted_run(
     # forwards sleep, so the run lasts long enough for a signal from outside to land mid-run
     args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT, "trainer.max_steps=100"]
     straight = _ok(run_dtf(args, tmp_path / "straight"))
-    run_dir = tmp_path / "preempted"
-    out = tmp_path / "preempted.out"
     cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, "+model.delay_s=0.05", "launcher=slurm"]
-    with open(out, "w") as f:
-        proc = subprocess.Popen([*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env())
-    deadline = time.monotonic() + 180
-    while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    time.sleep(1.5)
-    job = re.search(r"submitted SLURM job (\d+)", out.read_text())
-    assert job, out.read_text()
-    # what SLURM sends before preemption or the time limit (launcher.signal)
-    subprocess.run(["scancel", "--signal=USR1", job.group(1)], check=True)
-    while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait that out.
-    # Not within the second of the requeue either: slurmd refuses a credential issued in the second its
-    # job's old one was revoked ("Job credential revoked"), and the job would fail.
-    for _ in range(50):
-        state = subprocess.run(["squeue", "-h", "-j", job.group(1), "-o", "%T"], capture_output=True, text=True)
-        if state.stdout.strip() == "PENDING":
-            time.sleep(1.1)
-            subprocess.run(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"], check=True)
-            break
-        time.sleep(0.2)
-    assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
-    text = out.read_text()
+    run_dir = tmp_path / "preempted"
+    text = preempt_and_requeue(cmd, run_dir, tmp_path / "preempted.out")
     stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", text)
     assert stopped, text[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,3 +50,53 @@ def script_cluster(script: str, export: str, env: dict[str, str] | None = None) 
     finally:
         if "already running" not in started.stderr:
             run_script(script, "stop", env, timeout=120)
+
+
+def dtf_test_env() -> dict[str, str]:
+    from tests.conftest import dtf_env
+
+    return dtf_env()
+
+
+def preempt_and_requeue(
+    cmd: list[str], run_dir: Path, out: Path, on_cluster: Callable[[list[str]], list[str]] = lambda c: c
+) -> str:
+    """Starts `python -m dtf ... launcher=slurm` (cmd) into run_dir, sends its job what SLURM sends
+    before a preemption (scancel --signal=USR1) once it trains, lets the requeued job start at once,
+    and waits for the driver to end (exit 0 required). on_cluster: how a SLURM command reaches the
+    controller (as it is, or on a host of scripts/local-hosts.sh). Returns the driver's output."""
+    import re
+    import time
+
+    with open(out, "w") as f:
+        proc = subprocess.Popen(
+            [*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_test_env()
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.5)
+        job = re.search(r"submitted SLURM job (\d+)", out.read_text())
+        assert job, out.read_text()
+        # what SLURM sends before preemption or the time limit (launcher.signal)
+        subprocess.run(on_cluster(["scancel", "--signal=USR1", job.group(1)]), check=True)
+        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait
+        # that out. Not within the second of the requeue either: slurmd refuses a credential issued in
+        # the second its job's old one was revoked ("Job credential revoked"), and the job would fail.
+        for _ in range(50):
+            state = subprocess.run(
+                on_cluster(["squeue", "-h", "-j", job.group(1), "-o", "%T"]), capture_output=True, text=True
+            )
+            if state.stdout.strip() == "PENDING":
+                time.sleep(1.1)
+                subprocess.run(on_cluster(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]), check=True)
+                break
+            time.sleep(0.2)
+        assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out.read_text()
