@@ -7,7 +7,8 @@ with no distributed code in it:
 
 - `module(**kwargs)` builds the model (the configured model, or the class given to
   dtf.run_function, with kwargs over its settings) and returns it wrapped by the configured
-  strategy. An optimizer the function builds over its parameters steps what this rank holds.
+  strategy. An optimizer the function builds over its parameters steps what this rank holds
+  (with ZeRO stage 1: the parameters this rank owns, ParameterOwners).
 - `train_set` is this rank's share of the training set: equal on every rank (strided, the last
   len % world_size samples left out), so every DataLoader the function builds over it yields the
   same number of batches on every rank and no rank waits in a collective for a peer that is done.
