@@ -57,21 +57,27 @@ def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -
     return failure
 
 
-def first(run_dir: str | Path, attempt: int | None = None) -> RankFailure | None:
-    """The failure that came first, in the given attempt (default: the newest one recorded)."""
+def recorded(run_dir: str | Path, attempt: int | None = None) -> dict[int, RankFailure]:
+    """Every rank's record, in the given attempt (default: the newest one recorded)."""
     root = Path(run_dir) / FAILURES_DIR
     if attempt is None:
         attempts = sorted((int(p.name.removeprefix("attempt_")) for p in root.glob("attempt_*")), reverse=True)
         if not attempts:
-            return None
+            return {}
         attempt = attempts[0]
-    found = []
+    found = {}
     for path in _attempt_dir(run_dir, attempt).glob("rank_*.json"):
         try:
-            found.append(RankFailure(**json.loads(path.read_text())))
+            failure = RankFailure(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # half a record: its rank was killed while writing it
-    return min(found, key=lambda f: f.time_ns) if found else None
+        found[failure.rank] = failure
+    return found
+
+
+def first(run_dir: str | Path, attempt: int | None = None) -> RankFailure | None:
+    """The failure that came first, in the given attempt (default: the newest one recorded)."""
+    return min(recorded(run_dir, attempt).values(), key=lambda f: f.time_ns, default=None)
 
 
 def clear(run_dir: str | Path) -> None:

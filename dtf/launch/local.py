@@ -130,11 +130,14 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
 
 
 def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
-    """The error of the rank that failed first. A rank killed by a signal records nothing and counts
-    as first (its peers' errors are the consequence); otherwise the oldest record (dtf.failures).
-    A rank that recorded the oldest error and then died of a signal on its way out is that error."""
-    first = failures.first(run_dir)
-    killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0 and (first is None or rank != first.rank))
+    """The error of the rank that failed first. A rank killed by a signal before it could record
+    anything counts as first (its peers' errors are the consequence); otherwise the oldest record
+    (dtf.failures). A rank that recorded an error and then died of a signal on its way out failed
+    with that error: a process that exits while its gloo process group's threads run aborts
+    ("terminate called without an active exception"), whether its error came first or not."""
+    records = failures.recorded(run_dir)
+    first = min(records.values(), key=lambda f: f.time_ns, default=None)
+    killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0 and rank not in records)
     logs = {r: os.path.dirname(f.error_file) if os.path.isabs(f.error_file) else "" for r, f in e.failures.items()}
     if killed:
         rank = killed[0]
