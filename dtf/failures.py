@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -21,6 +22,10 @@ from pathlib import Path
 from dtf.errors import RankFailedError, UserError, user_error_in
 
 FAILURES_DIR = Path("logs") / "failures"
+
+# gloo's words for a peer gone: "Connection closed by peer [a]:p", "Read error [a]:p: Connection
+# reset by peer", "Write error [a]:p: Broken pipe"
+_PEER_GONE = re.compile(r"(?:Connection closed by peer|Read error|Write error) \[([0-9.]+)\]")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,12 @@ class RankFailure:
             return UserError(f"{self.message} (rank {self.rank})")
         where = f" (its logs: {logs})" if logs else ""
         return RankFailedError(f"rank {self.rank} failed: {self.message}{where}")
+
+    @property
+    def lost_peer(self) -> str | None:
+        """The address of the peer whose going away this error was (gloo names it), or None."""
+        found = _PEER_GONE.search(self.message)
+        return found.group(1) if found else None
 
 
 def _attempt_dir(run_dir: str | Path, attempt: int) -> Path:

@@ -92,14 +92,9 @@ def lost_node(failure: failures.RankFailure, run_dir: str) -> str | None:
     """A rank that failed because a peer on another node went away (its processes died, or its
     network): which node that was and which ranks ran there, from gloo's error (which names the
     peer's address) and <run_dir>/logs/nodes.json."""
-    import re
-
-    # gloo's words for a peer gone: "Connection closed by peer [a]:p", "Read error [a]:p: Connection
-    # reset by peer", "Write error [a]:p: Broken pipe"
-    found = re.search(r"(?:Connection closed by peer|Read error|Write error) \[([0-9.]+)\]", failure.message)
-    if found is None:
+    address = failure.lost_peer
+    if address is None:
         return None
-    address = found.group(1)
     try:
         ranks = json.loads((Path(run_dir) / NODES_FILE).read_text())["ranks"]
     except (OSError, ValueError, KeyError):

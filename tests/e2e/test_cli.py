@@ -255,7 +255,8 @@ def test_a_failed_run_leaves_nothing_in_the_temp_dir(tmp_path: Path, monkeypatch
     run = run_dtf(["model._target_=user_models.FailingModel", "+model.fail_rank=1", *SHORT], tmp_path / "run")
     assert run.returncode == 1
     assert not list(temp.glob("pytorch-errorfile-*")), sorted(p.name for p in temp.iterdir())
-    assert list((tmp_path / "run" / "logs").rglob("pytorch-errorfile-*")), "kept with the run's logs instead"
+    # the failed rank's error is kept with the run's logs, in the directory the error line names
+    assert list((tmp_path / "run" / "logs").glob("*/attempt_0/1/error.json")), "kept with the run's logs instead"
 
 
 def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
