@@ -24,6 +24,7 @@ from dtf.data import loader
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.results import Finished, RunResult, Stopped
+from dtf.strategy import memory
 from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start
@@ -138,6 +139,9 @@ def train(
     strategy = strategies.build(run.strategy, t.precision)
     scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
     precision = Precision(t.precision, env.device, scaler)
+    # Before anything is allocated: can this node hold the model's state under this strategy?
+    as_built = lambda: precision.convert_model(build_model(cfg.model))  # noqa: E731
+    estimate = memory.check(as_built, strategy, instantiate(cfg.optimizer), env, t.memory_check)
     model = precision.convert_model(strategy.build_model(lambda: build_model(cfg.model)))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
@@ -194,6 +198,7 @@ def train(
         precision=precision,
         pruning=trial_pruning(cfg, run, eval_data is not None, env),
     )
+    trainer.model_state_estimate_bytes = estimate.bytes_per_rank if estimate else None
     # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
     found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
     if note:

@@ -46,6 +46,14 @@ class ObjectiveMode(str, Enum):
     max = "max"
 
 
+class MemoryCheck(str, Enum):
+    """trainer.memory_check: what to do when the model's state cannot fit (dtf.strategy.memory)."""
+
+    refuse = "refuse"  # stop before the run starts, in one line
+    warn = "warn"  # say so, and run anyway
+    off = "off"
+
+
 class Progress(str, Enum):
     auto = "auto"  # a bar on a TTY, plain lines otherwise
     bar = "bar"
@@ -100,6 +108,10 @@ class TrainerConfig:
     # Class names of the modules whose activations are recomputed in backward instead of stored
     # (e.g. [TransformerEncoderLayer]); null: none.
     activation_checkpointing: list[str] | None = None
+    # Before the model is built: the bytes of model state (parameters, gradients, optimizer state)
+    # each rank will hold, by the strategy's ZeRO formula, against this node's free memory (the
+    # GPU's on CUDA). refuse: stop with one line when they cannot fit; warn: say so and run.
+    memory_check: MemoryCheck = MemoryCheck.refuse
 
     def __post_init__(self) -> None:
         self._check_performance_switches()
@@ -351,6 +363,9 @@ class DDPStrategyConfig:
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
+    # Build the model on the meta device and materialise it on the rank's device (initialised by
+    # each module's reset_parameters, the same on every rank): no copy built on the CPU first.
+    meta_init: bool = False
 
 
 @dataclass
@@ -436,8 +451,6 @@ class ZeroStrategyConfig:
             self.stage,
             "choose 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)",
         )
-        if self.stage == 1 and self.meta_init:
-            raise UserError("strategy.meta_init=true needs strategy.stage=2 or 3 (stage 1 keeps whole parameters)")
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -21,6 +23,18 @@ from torch.optim import Optimizer
 from dtf.dist.env import DistEnv
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+@dataclass(frozen=True)
+class StateShares:
+    """The fractions of the model's parameters, gradients and optimizer state one rank holds at its
+    peak: the formulas of the ZeRO paper (Rajbhandari et al., 2020) and of MiCS."""
+
+    params: float
+    grads: float
+    optim: float
+    formula: str  # in words, for messages: "ZeRO-3: all sharded over 4 ranks"
+    on_host: bool = False  # offloaded: in host memory, whatever the device
 
 
 class Strategy(ABC):
@@ -62,12 +76,52 @@ class Strategy(ABC):
         return GradScaler(device.type)
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
-        """Builds the model where this strategy wants it (strategies with delayed init: on meta)."""
+        """Builds the model where this strategy wants it: on meta with strategy.meta_init (delayed
+        initialisation; setup materialises it)."""
+        if getattr(self.cfg, "meta_init", False):
+            with torch.device("meta"):
+                return build()
         return build()
+
+    def state_shares(self, world_size: int) -> StateShares:
+        """What share of the model's state a rank holds (dtf.strategy.memory estimates from it)."""
+        return StateShares(1, 1, 1, "DDP: a full replica on every rank")
 
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         """Bytes this rank holds for parameters + gradients + optimizer state."""
         return parameter_and_grad_bytes(model) + local_state_bytes(optimizer)
+
+
+def initialise(module: nn.Module) -> None:
+    """Every module's reset_parameters, for a model materialised from meta (strategy.meta_init).
+    Children first, in the order they were registered: the leaves draw their random numbers in the
+    order a model's constructor does (so a replica matches one built eagerly, bit for bit), and a
+    module that initialises its whole subtree its own way (a transformers model, whose class token
+    has no reset_parameters) has the last word, as at construction."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DTensor's RNG tracker notes that CPU meshes use the local RNG
+        for m in _children_first(module, set()):
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def _children_first(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
+    if id(module) in seen:  # a module registered twice is initialised once
+        return
+    seen.add(id(module))
+    for child in module.children():
+        yield from _children_first(child, seen)
+    yield module
+
+
+def materialise_whole(module: nn.Module, device: torch.device) -> nn.Module:
+    """A replica built on meta, allocated on the device and initialised. Every rank draws the
+    same numbers (the same seed, nothing drawn per rank before), so the replicas start equal."""
+    if any(p.is_meta for p in module.parameters()):
+        module.to_empty(device=device)
+        initialise(module)
+    return module
 
 
 def parameter_and_grad_bytes(model: nn.Module) -> int:

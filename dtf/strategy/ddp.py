@@ -10,14 +10,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
-from dtf.strategy.base import OptimizerFactory, Strategy
+from dtf.strategy.base import OptimizerFactory, Strategy, materialise_whole
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
 
     def _wrap(self, module: nn.Module, env: DistEnv) -> nn.Module:
-        module = module.to(env.device)
+        module = materialise_whole(module, env.device).to(env.device)
         if not any(p.requires_grad for p in module.parameters()):
             return module  # DDP refuses modules without trainable parameters
         return DDP(

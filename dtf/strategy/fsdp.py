@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import OptimizerFactory, Strategy
+from dtf.strategy.base import OptimizerFactory, StateShares, Strategy, initialise
 from dtf.train.precision import AUTOCAST_DTYPES
 
 
@@ -51,11 +51,18 @@ class FSDPStrategy(Strategy):
     def mesh(self, env: DistEnv) -> DeviceMesh:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
 
-    def build_model(self, build: Any) -> nn.Module:
-        if self.cfg.meta_init:
-            with torch.device("meta"):
-                return build()
-        return build()
+    def shard_size(self, world_size: int) -> int:
+        """How many ranks share one copy of the model state, each holding a shard."""
+        return world_size
+
+    def state_shares(self, world_size: int) -> StateShares:
+        n = self.shard_size(world_size)
+        over = f"sharded over {n} ranks" + (f", replicated {world_size // n} times" if world_size > n else "")
+        offload = self.cfg.cpu_offload
+        if self.cfg.reshard_after_forward:
+            return StateShares(1 / n, 1 / n, 1 / n, f"ZeRO-3: all {over}", on_host=offload)
+        # ZeRO-2: the gathered parameters live from forward to backward
+        return StateShares(1, 1 / n, 1 / n, f"ZeRO-2: gradients and optimizer state {over}", on_host=offload)
 
     def mixed_precision(self) -> MixedPrecisionPolicy:
         """trainer.precision=*-mixed: parameters gathered in the low dtype (what autocast would cast
@@ -93,12 +100,7 @@ class FSDPStrategy(Strategy):
         hold the same shard (replicas, in MiCS/HSDP) start with the same values, as they must."""
         module.to_empty(device="cpu" if self.cfg.cpu_offload else env.device)
         torch.manual_seed(torch.initial_seed() + self._mesh.get_local_rank("shard"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DTensor's RNG tracker notes that CPU meshes use the local RNG
-            for m in module.modules():
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+        initialise(module)
 
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
         kwargs = self._shard_kwargs(env)

@@ -13,6 +13,9 @@ class MicsStrategy(FSDPStrategy):
     name = "mics"
     cfg: MicsStrategyConfig
 
+    def shard_size(self, world_size: int) -> int:
+        return self.cfg.partition_group_size
+
     def mesh(self, env: DistEnv) -> DeviceMesh:
         group = self.cfg.partition_group_size
         # Consecutive ranks form a partition group: on a real cluster, the ranks of one node,

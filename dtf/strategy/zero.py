@@ -18,7 +18,7 @@ from dtf.strategy.zero1 import Zero1Strategy
 def zero(cfg: ZeroStrategyConfig, precision: str = "32") -> Strategy:
     """The strategy of a ZeRO stage; whatever runs underneath, it is named (and reports as) zero."""
     if cfg.stage == 1:
-        return Zero1Strategy(DDPStrategyConfig(name="zero"), precision)
+        return Zero1Strategy(DDPStrategyConfig(name="zero", meta_init=cfg.meta_init), precision)
     fsdp = FSDPStrategyConfig(
         name="zero",
         reshard_after_forward=cfg.stage == 3,

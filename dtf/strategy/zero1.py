@@ -38,7 +38,13 @@ from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import OptimizerFactory, local_state_bytes, parameter_and_grad_bytes
+from dtf.strategy.base import (
+    OptimizerFactory,
+    StateShares,
+    local_state_bytes,
+    materialise_whole,
+    parameter_and_grad_bytes,
+)
 from dtf.strategy.ddp import DDPStrategy
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
@@ -382,7 +388,8 @@ class Zero1Strategy(DDPStrategy):
     name = "zero"
 
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Optimizer]:
-        model = model.to(env.device)  # before the layout: a later move would copy the parameters out of it
+        # before the layout: a later move would copy the parameters out of it
+        model = materialise_whole(model, env.device).to(env.device)
         template = optimizer_factory(model.parameters())  # the user's optimizer: class, groups, settings
         if not isinstance(template, Optimizer):
             raise UserError(
@@ -409,6 +416,9 @@ class Zero1Strategy(DDPStrategy):
     def load_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         set_model_state_dict(model, state["model"])
         _sharded(optimizer).load_sharded_state_dict(state["optim"])
+
+    def state_shares(self, world_size: int) -> StateShares:
+        return StateShares(1, 1, 1 / world_size, f"ZeRO-1: optimizer state sharded over {world_size} ranks")
 
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         sharded = _sharded(optimizer)

@@ -93,6 +93,8 @@ def gather(trainer: Trainer, digest: str, run_dir: Path, config_digest: str) -> 
         "checkpoint_blocked_s": statistics.median(blocked) if blocked else None,
         "checkpoints_saved": len(blocked),
         "model_state_bytes": [g["bytes"] for g in gathered],
+        # What trainer.memory_check estimated a rank would hold at its peak, by the ZeRO formula.
+        "model_state_estimate_bytes": trainer.model_state_estimate_bytes,
         "peak_rss_bytes": [g["peak_rss"] for g in gathered],
         # trainer.compile's cost: the first step of this process compiles (rank 0's time), and what it compiled.
         "first_step_s": trainer.first_step_s,

@@ -93,6 +93,7 @@ class Trainer:
         self.train_metrics = train_metrics  # on the current epoch's training batches (none unless asked)
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
+        self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.strategy.memory)
         self.step_times: list[float] = []
         self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
         self.compiled_graphs: int | None = None

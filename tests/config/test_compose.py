@@ -141,7 +141,6 @@ def test_composition_errors_name_the_key(override: str, names: list[str]) -> Non
         (["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"], "strategy.partition_group_size"),
         (["strategy=fsdp", "strategy.block_classes=[NoSuchBlock]"], "strategy.block_classes"),
         (["strategy=fsdp", "strategy.param_dtype=bf17"], "strategy.param_dtype"),
-        (["strategy=zero", "strategy.meta_init=true"], "strategy.meta_init"),
     ],
 )
 def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:

@@ -51,6 +51,8 @@ def test_several_modules_with_a_user_step_function(dtf) -> None:  # type: ignore
 # ---- every recipe (recipes/*.yaml), so that none can rot -------------------------------------
 
 TINY = ["trainer.max_steps=3", "trainer.max_epochs=1", "trainer.progress=off", "launcher=local", "launcher.nproc=2"]
+# ... and a smaller model where the recipe's is the point (its measured run: recipes/README.md)
+SMALLER = {"sagemaker_vit": ["model.num_hidden_layers=1"]}
 
 
 def _compose(overrides: list[str], hydra: bool = False):  # type: ignore[no-untyped-def]
@@ -78,6 +80,21 @@ def test_every_recipe_composes_validates_and_runs_for_a_tiny_budget(dtf, name: s
     for point in [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]:
         validate(_compose([f"+recipe={name}", *point]))
     # and it trains, for a few steps on 2 local ranks
-    run = dtf(f"+recipe={name}", *TINY)
+    run = dtf(f"+recipe={name}", *TINY, *SMALLER.get(name, []))
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary["global_step"] == 3 and run.summary["params_sha256_consistent"]
+
+
+def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    from dtf.strategy.memory import host_memory_available
+
+    need = 4 * 9.4 * 2**30  # 4 ranks, each a DDP replica of 632 M parameters with AdamW's state
+    if (host_memory_available() or 0) > need:
+        pytest.skip("this machine could hold four DDP replicas of the 632 M ViT")
+    run = dtf("+recipe=sagemaker_vit", "model=vit_huge", "model.patch_size=16", "strategy=ddp")
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("dtf: error: trainer.memory_check: the model's state needs"), lines[0]
+    assert "630.7M parameters" in lines[0] and "DDP: a full replica on every rank: 9.40 GiB per rank" in lines[0]
+    assert not (run.run_dir / "summary.json").exists() and not (run.run_dir / "checkpoints").exists()
