@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import GradScaler
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
@@ -55,8 +55,16 @@ class Strategy(ABC):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return cast(dict[str, torch.Tensor], state)
+        return dict(self.whole_tensors(model))
+
+    def whole_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's state by name, in sorted order, one whole (unsharded) tensor at a time: a
+        collective per sharded tensor, in the same order on every rank. What a digest needs,
+        without the whole of a sharded model on any rank at once."""
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(model))  # sharded ones stay DTensors
+        for name in sorted(state):
+            tensor = state[name]
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter names (sharded tensors stay sharded), the

@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,13 @@ SUMMARY_FILE = "summary.json"
 WEIGHTS_FILE = "model.pt"
 
 
-def params_sha256(state: dict[str, torch.Tensor]) -> str:
-    """Digest of the full model state (names, dtypes, shapes, values), independent of sharding."""
+def params_sha256(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Digest of the full model state (names, dtypes, shapes, values), independent of sharding.
+    state: a state dict, or its (name, tensor) pairs in sorted order (Strategy.whole_tensors)."""
     h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
+    pairs = sorted(state.items(), key=lambda item: item[0]) if isinstance(state, Mapping) else state
+    for name, tensor in pairs:
+        t = tensor.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
@@ -143,9 +146,19 @@ def objective_of(run: RunConfig, has_test_set: bool) -> str:
 def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
     """Collective, after fit(): digests the model on every rank; rank 0 exports the weights, logs
     the hparams, writes summary.json, prints the final line and returns the summary."""
-    # Built once (for sharded strategies an all-gather): digested on every rank, exported by rank 0.
-    state = trainer.strategy.full_state_dict(trainer.model)
-    summary = gather(trainer, params_sha256(state), run_dir, config_sha256(cfg))
+    # Digested on every rank one whole tensor at a time (for sharded strategies an all-gather per
+    # tensor: a model that fits only sharded is never whole on a rank), kept by rank 0 to export.
+    state: dict[str, torch.Tensor] = {}
+    keep = run.trainer.export_weights and trainer.env.is_main
+
+    def kept(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in pairs:
+            if keep:
+                state[name] = tensor.detach()
+            yield name, tensor
+
+    digest = params_sha256(kept(trainer.strategy.whole_tensors(trainer.model)))
+    summary = gather(trainer, digest, run_dir, config_sha256(cfg))
     if summary is None:
         return None
     summary.update(run_facts(run, cfg, trainer))
