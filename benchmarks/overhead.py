@@ -1,6 +1,13 @@
 """dtf's per-step overhead against a plain hand-written PyTorch DDP loop, measured in one run.
 
-    .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 40] [--nproc 2]
+    .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 40] [--nproc 2] [--batch-size 32]
+    .venv/bin/python benchmarks/overhead.py --batch-sizes 32,256,1024 --epochs 10   # the table
+
+With --batch-sizes, the same comparison at each per-rank batch size, then a table of the ratios,
+then a torch.profiler summary of dtf's step at each size (one process: where the time goes).
+The hand-written loop reads its batches as users write it: a DataLoader over the TensorDataset,
+one __getitem__ per sample and a default_collate per batch; dtf by default fetches each batch
+with one indexing op per tensor (data.fetch=auto), the same batches.
 
 Both train the default job (scalar-field MLP, Adam, per-rank batch 32, linear LR scaling,
 gloo on CPU) with the same seed, alternating raw, dtf, raw, dtf, ... so that machine load
@@ -39,6 +46,7 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
         f"--nproc-per-node={args.nproc}",
         str(HERE / "raw_ddp.py"),
         f"--epochs={args.epochs}",
+        f"--batch-size={args.batch_size}",
         f"--out={out}",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -48,16 +56,18 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
 
 
 def run_dtf(tmp: Path, i: int, args: argparse.Namespace) -> dict:
-    overrides = [f"launcher.nproc={args.nproc}", f"trainer.max_epochs={args.epochs}", "trainer.progress=off"]
+    overrides = [
+        f"launcher.nproc={args.nproc}",
+        f"trainer.max_epochs={args.epochs}",
+        f"data.batch_size={args.batch_size}",
+        "trainer.progress=off",
+    ]
     return dtf_summary(tmp / f"dtf{i}", overrides)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=40, help="40 = the default job's trainer.max_epochs")
-    p.add_argument("--nproc", type=int, default=2)
-    args = p.parse_args()
+def compare(args: argparse.Namespace) -> tuple[float, float]:
+    """Alternating raw and dtf runs; prints them; returns the medians of the paired ratios (step
+    time, and training time per step)."""
     raw, ours = [], []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -65,8 +75,8 @@ def main() -> None:
             raw.append(run_raw(tmp, i, args))
             ours.append(run_dtf(tmp, i, args))
             print(
-                f"repeat {i + 1}/{args.repeats}: raw {raw[-1]['step_time_s'] * 1e3:.3f} ms/step, "
-                f"dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step",
+                f"batch {args.batch_size}, repeat {i + 1}/{args.repeats}: raw {raw[-1]['step_time_s'] * 1e3:.3f} "
+                f"ms/step, dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step",
                 flush=True,
             )
     raw_med = statistics.median(r["step_time_s"] for r in raw)
@@ -84,14 +94,75 @@ def main() -> None:
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     print(
         f"ratio dtf / raw: median {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f}), "
-        f"ratio of medians {dtf_med / raw_med:.3f}   "
-        f"[{args.repeats} alternating repeats, {args.nproc} ranks, {args.epochs} epochs each]"
+        f"ratio of medians {dtf_med / raw_med:.3f}   [{args.repeats} alternating repeats, {args.nproc} ranks, "
+        f"{args.epochs} epochs each, batch {args.batch_size} per rank]"
     )
     m1, _, m3 = statistics.quantiles(mean_ratios, n=4) if len(mean_ratios) > 1 else (mean_ratios[0],) * 3
     print(
         f"ratio of training time per step (mean) dtf / raw: median {statistics.median(mean_ratios):.3f} "
-        f"(quartiles {m1:.3f}-{m3:.3f})"
+        f"(quartiles {m1:.3f}-{m3:.3f})\n",
+        flush=True,
     )
+    return statistics.median(ratios), statistics.median(mean_ratios)
+
+
+def profile_step(batch_size: int, steps: int = 30) -> None:
+    """Where one step of dtf's loop goes, in one process: its batches as dtf fetches them
+    (dtf.data.loader.from_datasets, data.fetch=auto), the default model, Adam, MSE."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dtf.config.schema import LoaderDataConfig
+    from dtf.data.datasets import scalar_field
+    from dtf.data.loader import from_datasets
+    from dtf.dist.env import DistEnv
+    from dtf.models.approximator import Approximator
+
+    torch.set_num_threads(1)
+    train, _ = scalar_field()
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    data, _ = from_datasets(train, None, LoaderDataConfig(batch_size=batch_size), env, seed=0)
+    model, loss_fn = Approximator(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data.set_epoch(0)
+    batches = iter(data)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("dtf: fetch the batch"):
+                x, y = next(batches)
+            with record_function("dtf: forward + loss"):
+                loss = loss_fn(model(x), y)
+            with record_function("dtf: backward"):
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            with record_function("dtf: optimizer step"):
+                opt.step()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=32)
+    print(f"torch.profiler, {steps} steps of batch {batch_size} in one process ({data.describe()}):\n{table}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=40, help="40 = the default job's trainer.max_epochs")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank (the default job's)")
+    p.add_argument("--batch-sizes", help="comma-separated: compare at each, then a table")
+    args = p.parse_args()
+    if not args.batch_sizes:
+        compare(args)
+        return
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    table = {}
+    for size in sizes:
+        args.batch_size = size
+        table[size] = compare(args)
+    print(f"{'batch per rank':>16}{'step dtf / raw':>16}{'train time per step':>22}")
+    for size, (step, mean) in table.items():
+        print(f"{size:>16}{step:>16.3f}{mean:>22.3f}")
+    print(f"(medians of {args.repeats} alternating pairs, {args.nproc} ranks, {args.epochs} epochs each)\n")
+    for size in sizes:
+        profile_step(size)
 
 
 if __name__ == "__main__":

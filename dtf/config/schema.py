@@ -247,6 +247,14 @@ class CheckpointConfig:
             )
 
 
+class Fetch(str, Enum):
+    """data.fetch: how a batch is read from a map-style dataset (dtf.data.fetch)."""
+
+    auto = "auto"  # batched where the dataset allows it, else per_sample
+    batched = "batched"  # one indexing op per tensor per batch (a TensorDataset, __getitems__)
+    per_sample = "per_sample"  # one __getitem__ per sample, then torch's default_collate
+
+
 @dataclass
 class LoaderDataConfig:
     """A map-style dataset through torch's DataLoader and DistributedSampler."""
@@ -263,6 +271,9 @@ class LoaderDataConfig:
     drop_last: bool = False
     num_workers: int = 0
     pin_memory: bool = False
+    # auto: a batch in one indexing op per tensor where the dataset allows it (a TensorDataset, a
+    # dataset with __getitems__), else per sample; the same batches either way.
+    fetch: Fetch = Fetch.auto
 
     def __post_init__(self) -> None:
         check_batch_sizes(self.batch_size, self.eval_batch_size)

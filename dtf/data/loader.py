@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.config.typed import DataConfig
+from dtf.data.fetch import fetching
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -80,6 +81,7 @@ class LoaderTrainData:
     sampler: ResumableDistributedSampler
     batch_size: int
     batches_per_epoch: int
+    fetched_by_batch: bool = False  # data.fetch (dtf.data.fetch)
     # The samples consumed mid-epoch are a prefix of the sampler's global order, on any world size.
     position_survives_world_size_change = True
 
@@ -117,7 +119,8 @@ class LoaderTrainData:
         return max(0, self.sampler.total_size - self.num_samples)  # DistributedSampler pads with repeats
 
     def describe(self) -> str:
-        text = f"{self.num_samples} samples, {len(self)} batches per rank per epoch"
+        fetch = "by batch" if self.fetched_by_batch else "per sample"
+        text = f"{self.num_samples} samples, {len(self)} batches per rank per epoch, fetched {fetch}"
         if self.num_dropped_per_epoch:
             text += f", {self.num_dropped_per_epoch} samples dropped per epoch"
         if self.num_repeated_per_epoch:
@@ -189,8 +192,10 @@ def from_datasets(
     sampler = ResumableDistributedSampler(
         train_set, num_replicas=env.world_size, rank=env.rank, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last
     )
+    source, collate, by_batch = fetching(train_set, cfg.fetch)
     train_loader = DataLoader(
-        train_set,
+        source,
+        collate_fn=collate,
         batch_size=cfg.batch_size,
         sampler=sampler,
         drop_last=cfg.drop_last,
@@ -204,13 +209,19 @@ def from_datasets(
             f"data.batch_size={cfg.batch_size} with drop_last leaves no batch for a rank "
             f"({len(sampler)} samples each): lower data.batch_size or set data.drop_last=false"
         )
-    train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader))
+    train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader), by_batch)
     if test_set is None:
         return train, None
     eval_bs = cfg.eval_batch_size or cfg.batch_size
     eval_sampler = EvalShardSampler(len(test_set), env.rank, env.world_size)  # type: ignore[arg-type]
+    test_source, test_collate, _ = fetching(test_set, cfg.fetch)
     test_loader = DataLoader(
-        test_set, batch_size=eval_bs, sampler=eval_sampler, generator=torch.Generator().manual_seed(seed), **common
+        test_source,
+        collate_fn=test_collate,
+        batch_size=eval_bs,
+        sampler=eval_sampler,
+        generator=torch.Generator().manual_seed(seed),
+        **common,
     )
     return train, LoaderEvalData(test_loader, eval_sampler, eval_bs)
 
