@@ -117,3 +117,13 @@ def test_the_default_job_trains_to_the_same_parameters_either_way(tmp_path: Path
     }
     assert runs["batched"]["params_sha256"] == runs["per_sample"]["params_sha256"]
     assert runs["batched"]["final_test_loss"] == runs["per_sample"]["final_test_loss"]
+
+
+def test_batched_fetch_in_loader_workers_gives_the_same_batches(digits: tuple[TensorDataset, TensorDataset]) -> None:
+    train, test = digits
+    ps = _loaders(train, test, Fetch.per_sample, 2, 0)[0]
+    in_workers = _loaders(train, test, Fetch.batched, 2, 0, num_workers=2)[0]
+    for epoch in (0, 1):
+        ps.set_epoch(epoch), in_workers.set_epoch(epoch)
+        for x, y in zip(ps, in_workers, strict=True):
+            _same(x, y)
