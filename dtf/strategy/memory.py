@@ -159,9 +159,13 @@ def check(
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build()
         found = estimate(model, optimizer_factory, strategy.state_shares(env.world_size))
-    except Exception as e:  # a model (or optimizer) that cannot be built on meta: the run goes ahead
+    except Exception as e:  # a model that cannot be built on meta, an optimizer that needs a closure: run
         if speaks:
-            print(f"dtf: trainer.memory_check skipped: the model cannot be built on the meta device ({e})", flush=True)
+            print(
+                "dtf: trainer.memory_check skipped: the model's state could not be estimated on the meta device "
+                f"({type(e).__name__}: {e})",
+                flush=True,
+            )
         return None
     finally:
         random.setstate(rng[0])
