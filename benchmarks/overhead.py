@@ -24,12 +24,15 @@ ratio is the steadier of the two.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from common import dtf_summary
 
@@ -124,8 +127,13 @@ def profile_step(batch_size: int, steps: int = 30) -> None:
     data, _ = from_datasets(train, None, LoaderDataConfig(batch_size=batch_size), env, seed=0)
     model, loss_fn = Approximator(), torch.nn.MSELoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    data.set_epoch(0)
-    batches = iter(data)
+
+    def endless() -> Iterator[Any]:
+        for epoch in itertools.count():
+            data.set_epoch(epoch)
+            yield from data
+
+    batches = endless()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function("dtf: fetch the batch"):
