@@ -88,7 +88,11 @@ def recorded(run_dir: str | Path, attempt: int | None = None) -> dict[int, RankF
 
 def first(run_dir: str | Path, attempt: int | None = None) -> RankFailure | None:
     """The failure that came first, in the given attempt (default: the newest one recorded)."""
-    return min(recorded(run_dir, attempt).values(), key=lambda f: f.time_ns, default=None)
+    return oldest(recorded(run_dir, attempt))
+
+
+def oldest(records: dict[int, RankFailure]) -> RankFailure | None:
+    return min(records.values(), key=lambda f: f.time_ns, default=None)
 
 
 def clear(run_dir: str | Path) -> None:

@@ -136,7 +136,7 @@ def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
     with that error: a process that exits while its gloo process group's threads run aborts
     ("terminate called without an active exception"), whether its error came first or not."""
     records = failures.recorded(run_dir)
-    first = min(records.values(), key=lambda f: f.time_ns, default=None)
+    first = failures.oldest(records)
     killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0 and rank not in records)
     logs = {r: os.path.dirname(f.error_file) if os.path.isabs(f.error_file) else "" for r, f in e.failures.items()}
     if killed:
