@@ -24,11 +24,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check setup.py dtf hydra_plugins tests benchmarks
 	$(BIN)/mypy dtf hydra_plugins
 
+# Two pytest-xdist workers: most of a multi-process test's time is process start-up and waiting,
+# so two share the 2 cores well (tests/conftest.py keeps each file, and the cluster files, together).
+XDIST ?= -n 2 --dist loadgroup
+
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -82,12 +82,23 @@ def short_local_run(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     return run
 
 
+# Files whose tests start and stop the one local SLURM cluster, Spark cluster or namespace hosts
+# the machine can hold at a time: under pytest-xdist they run in one worker, one after the other.
+CLUSTER_FILES = {"test_slurm.py", "test_spark.py", "test_multinode.py", "test_hydra_optuna.py"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that start real processes and clusters (tests/e2e, tests/dist) are slow by where they
-    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything."""
+    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything.
+
+    `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay together in
+    one worker (its module fixtures, such as a straight run the others compare with, run once), and
+    the cluster files share one group."""
     for item in items:
-        if {"e2e", "dist"} & set(Path(str(item.fspath)).relative_to(REPO).parts):
+        path = Path(str(item.fspath)).relative_to(REPO)
+        if {"e2e", "dist"} & set(path.parts):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group("clusters" if path.name in CLUSTER_FILES else str(path)))
 
 
 # In-process tests import the helper modules the way a user's PYTHONPATH would expose them.
