@@ -61,6 +61,10 @@ def test_two_trials_at_a_time_and_the_median_rule_prunes_the_poor_ones(tmp_path:
     states = {n: r["state"] for n, r in records.items()}
     pruned = [n for n, state in states.items() if state == "pruned"]
     completed = [n for n, state in states.items() if state == "complete"]
+    others = {n: records[n] for n, state in states.items() if state not in ("pruned", "complete")}
+    assert not others, f"trials neither pruned nor completed: {others}\n" + "\n".join(
+        f"--- trial {n}'s log:\n{(sweep_dir / str(n) / 'trial.log').read_text()[-4000:]}" for n in others
+    )
     assert len(pruned) >= 2 and len(pruned) + len(completed) == 8, states
     # Side by side, never more than asked: a new trial starts as soon as one ends.
     assert most_at_once(list(records.values())) == 2
