@@ -169,7 +169,7 @@ def _compose(overrides: list[str], config_dir: str | None, mode: str) -> tuple[D
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:  # an unknown group option, a key not in the config, a bad grammar
         # Hydra's message, on one line, without the search path it lists after it
-        message = " ".join(str(e).split(" Config search path:")[0].split())
+        message = " ".join(str(e).split("Config search path:")[0].split())
         raise UserError(f"{_unparsable(overrides)}: {message}" if _unparsable(overrides) else message) from None
     hydra_cfg = cfg.hydra
     directory = str(hydra_cfg.run.dir if mode == "run" else hydra_cfg.sweep.dir)

@@ -51,6 +51,7 @@ def test_dtf_compose_raises_dtfs_one_line_with_no_frame_of_dtf(dtf_compose, over
     with pytest.raises(dtf.UserError) as err:
         dtf_compose(*overrides)
     assert str(err.value).startswith(start) and "\n" not in str(err.value)
+    assert "search path" not in str(err.value)  # Hydra lists it after its message: not the user's business
     # what pytest would show of a test that failed of it: the test's own line, nothing inside dtf
     shown = [entry for entry in err.traceback.filter(err) if not Path(entry.path).is_relative_to(Path(__file__))]
     assert shown == [], [str(entry.path) for entry in shown]
