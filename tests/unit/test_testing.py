@@ -110,3 +110,67 @@ def test_the_plugins_module_is_where_the_entry_point_says() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["pytest11"] == {"dtf": "dtf.testing"}
     assert (PACKAGE / "testing.py").is_file()
+
+
+# A session of its own (the plugin loaded by its entry point, as in a user's), with dtf.run replaced
+# by one that only makes the run directory: what dtf_run leaves behind, not what a run does.
+CLEANUP_TESTS = """
+import multiprocessing, os, time
+from pathlib import Path
+
+import pytest
+
+import dtf.api
+from dtf.testing import TINY_BUDGET
+
+OUT = Path(os.environ["CLEANUP_OUT"])
+
+
+@pytest.fixture(autouse=True)
+def fake_run(monkeypatch):
+    def run(overrides, config_dir=None, run_dir=None):
+        Path(run_dir).mkdir()
+        return {"run_dir": run_dir, "overrides": overrides}
+
+    monkeypatch.setattr(dtf.api, "run", run)
+
+
+def test_passes(dtf_run):
+    summary = dtf_run("launcher.nproc=1")
+    assert summary["overrides"] == [o for o in TINY_BUDGET if o != "launcher.nproc=2"] + ["launcher.nproc=1"]
+    (OUT / "passed_run_dir").write_text(summary["run_dir"])
+    rank = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))  # a rank left running
+    rank.start()
+    (OUT / "rank_pid").write_text(str(rank.pid))
+    os.environ["SET_BY_A_RUN"] = "1"
+
+
+def test_fails(dtf_run):
+    (OUT / "failed_run_dir").write_text(dtf_run()["run_dir"])
+    assert False
+
+
+def test_after(dtf_run):
+    assert "SET_BY_A_RUN" not in os.environ
+"""
+
+
+def test_dtf_run_leaves_no_rank_nor_environment_nor_a_passed_tests_run_dir(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "test_cleanup.py").write_text(CLEANUP_TESTS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"CLEANUP_OUT": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}", "-q"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert "1 failed, 2 passed" in done.stdout, done.stdout[-3000:]
+    assert not Path((tmp_path / "passed_run_dir").read_text()).exists()
+    assert Path((tmp_path / "failed_run_dir").read_text()).is_dir()  # kept for its logs
+    pid = int((tmp_path / "rank_pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
