@@ -9,10 +9,11 @@ _API = {
     "run": "dtf.api",
     "run_function": "dtf.api",
     "sweep": "dtf.api",
+    "validate": "dtf.api",
     "RunStopped": "dtf.api",
     "UserError": "dtf.errors",
 }
-__all__ = ["RunStopped", "UserError", "__version__", "run", "run_function", "sweep"]
+__all__ = ["RunStopped", "UserError", "__version__", "run", "run_function", "sweep", "validate"]
 
 
 def __getattr__(name: str) -> object:

@@ -6,22 +6,27 @@ line the command line prints.
     import dtf
     summary = dtf.run(["strategy=zero", "trainer.max_epochs=5"])
     summaries = dtf.sweep(["optimizer.lr=1e-3,3e-3"])   # Hydra's basic sweeper's grammar
+    dtf.validate(cfg)   # a config from Hydra's compose API: the run's checks, without the run
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtf.errors import UserError
 from dtf.results import Finished, Stopped, Submitted
+
+if TYPE_CHECKING:
+    from dtf.config.typed import RunConfig
 
 
 class RunStopped(Exception):
@@ -56,6 +61,21 @@ def run(
     _write_hydra_files(cfg, list(overrides or []), directory)
     result = launch_frozen(sections, cfg, str(directory))
     return _summary(result, str(directory), stop_line)
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """The checks `python -m dtf` makes before anything starts, on a config you composed yourself
+    (Hydra's compose API on `dtf.conf`, or on a tree of your own that puts `pkg://dtf.conf` on its
+    search path). Raises dtf.UserError with the line the command line prints after `dtf: error:`;
+    returns the config's typed sections. cfg is left as it is (a resolved copy is checked; a
+    `hydra` node, from compose(..., return_hydra_config=True), is not the run's and is left out)."""
+    from dtf.cli import check
+
+    job = copy.deepcopy(cfg)
+    with open_dict(job):
+        job.pop("hydra", None)
+    OmegaConf.resolve(job)
+    return check(job)
 
 
 def run_function(
@@ -149,7 +169,7 @@ def _compose(overrides: list[str], config_dir: str | None, mode: str) -> tuple[D
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:  # an unknown group option, a key not in the config, a bad grammar
         # Hydra's message, on one line, without the search path it lists after it
-        message = " ".join(str(e).split(" Config search path:")[0].split())
+        message = " ".join(str(e).split("Config search path:")[0].split())
         raise UserError(f"{_unparsable(overrides)}: {message}" if _unparsable(overrides) else message) from None
     hydra_cfg = cfg.hydra
     directory = str(hydra_cfg.run.dir if mode == "run" else hydra_cfg.sweep.dir)

@@ -49,12 +49,18 @@ def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
 
 
 def freeze(cfg: DictConfig) -> RunConfig:
-    """Resolve, validate (UserError: one line) and freeze the config; returns its typed sections."""
+    """Resolve, check (UserError: one line) and freeze the config; returns its typed sections."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
+    sections = check(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return sections
+
+
+def check(cfg: DictConfig) -> RunConfig:
+    """Every check a run makes on the driver before anything starts (dtf.validate from Python)."""
     sections = validate(cfg)
     hydra_sweep.check_direction(sections.trainer.objective_mode.value)
-    OmegaConf.set_readonly(cfg, True)
     return sections
 
 

@@ -3,6 +3,8 @@ with a message that names the key."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.validate import validate
 from dtf.errors import UserError
@@ -154,6 +156,82 @@ def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: s
         validate(make(*overrides))
     message = str(err.value)
     assert message.startswith(key) and "\n" not in message
+
+
+# A fresh interpreter that imports hydra (and omegaconf, to print) and nothing of dtf: Hydra imports
+# dtf.conf to read the tree, and that must be all the tree needs. argv: a config dir of one's own
+# (or "-": dtf's tree), the primary config's name, then the overrides.
+FRESH_COMPOSE = """
+import sys
+from hydra import compose, initialize_config_dir, initialize_config_module
+from omegaconf import OmegaConf
+
+config_dir, name, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+if config_dir == "-":
+    init = initialize_config_module("dtf.conf", version_base="1.3")
+else:
+    init = initialize_config_dir(config_dir, version_base="1.3")
+with init:
+    cfg = compose(name, overrides=overrides)
+assert "dtf.cli" not in sys.modules and "dtf.api" not in sys.modules, "composing imported dtf's entry points"
+print(OmegaConf.to_yaml(cfg), end="")
+"""
+
+
+def _python(*args: str, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_hydras_compose_api_in_a_fresh_interpreter_gives_the_command_lines_config(tmp_path: Path) -> None:
+    overrides = ["strategy=zero", "launcher.nproc=4"]
+    composed = _python("-c", FRESH_COMPOSE, "-", "config", *overrides, cwd=tmp_path)
+    printed = _python("-m", "dtf", *overrides, "--cfg", "job", cwd=tmp_path)
+    assert composed == printed
+    assert "name: zero" in composed and "nproc: 4" in composed
+
+
+def test_a_users_tree_that_puts_dtfs_on_its_search_path_composes_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    # a primary config of the user's own, dtf's config.yaml under it (from pkg://dtf.conf), and an
+    # option of the user's in one of dtf's groups
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "train.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath:\n    - pkg://dtf.conf\n")
+    (conf / "model" / "my_mlp.yaml").write_text("_target_: my_models.MyMLP\nhidden: 16\n")
+    overrides = ["model=my_mlp", "strategy=zero", "launcher.nproc=4"]
+    composed = _python("-c", FRESH_COMPOSE, str(conf), "train", *overrides, cwd=tmp_path)
+    printed = _python("-m", "dtf", "--config-dir", str(conf), *overrides, "--cfg", "job", cwd=tmp_path)
+    assert composed == printed
+    assert "_target_: my_models.MyMLP" in composed and "name: zero" in composed
+
+
+def test_dtf_validate_raises_the_command_lines_one_line(tmp_path: Path) -> None:
+    import dtf
+
+    overrides = ["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"]
+    cfg = make(*overrides)
+    with pytest.raises(dtf.UserError) as err:
+        dtf.validate(cfg)
+    cli = subprocess.run(
+        [sys.executable, "-m", "dtf", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert cli.returncode == 2, cli.stderr[-3000:]
+    assert cli.stderr.strip() == f"dtf: error: {err.value}"
+    assert "\n" not in str(err.value)
+
+
+def test_dtf_validate_returns_the_typed_sections_and_leaves_the_config_as_composed() -> None:
+    import dtf
+
+    cfg = make("strategy=zero", "launcher.nproc=4")
+    sections = dtf.validate(cfg)
+    assert sections.launcher.nproc == 4 and sections.strategy.stage == 1
+    assert cfg == make("strategy=zero", "launcher.nproc=4") and not OmegaConf.is_readonly(cfg)
 
 
 def test_partition_size_error_lists_the_valid_sizes() -> None:

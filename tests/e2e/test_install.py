@@ -108,3 +108,16 @@ def test_the_installed_package_composes_and_trains_from_another_directory(
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (run_dir / "summary.json").is_file()
+
+
+def test_the_installed_package_carries_its_pytest_plugin(installed_python: Path, tmp_path: Path) -> None:
+    code = (
+        "import importlib.metadata as m, dtf.testing\n"
+        "plugins = [(e.name, e.value) for e in m.distribution('dtf').entry_points if e.group == 'pytest11']\n"
+        "print(plugins, dtf.testing.__file__)"
+    )
+    shown = subprocess.run(
+        [str(installed_python), "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    plugins, path = shown.rsplit(" ", 1)
+    assert plugins == "[('dtf', 'dtf.testing')]" and str(REPO) not in path, shown

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dtf.config.store import recipe_names
+from dtf.testing import experiments
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
@@ -48,41 +49,41 @@ def test_several_modules_with_a_user_step_function(dtf) -> None:  # type: ignore
     assert s["final_test_loss"] < 0.5  # z = sin(y) + cos(x) has variance ~1; a trained net is far below
 
 
-# ---- every recipe (recipes/*.yaml), so that none can rot -------------------------------------
-
-TINY = ["trainer.max_steps=3", "trainer.max_epochs=1", "trainer.progress=off", "launcher=local", "launcher.nproc=2"]
-# ... and a smaller model where the recipe's is the point (its measured run: recipes/README.md)
-SMALLER = {"sagemaker_vit": ["model.num_hidden_layers=1"]}
-
-
-def _compose(overrides: list[str], hydra: bool = False):  # type: ignore[no-untyped-def]
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("dtf.conf", version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=hydra)
+# ---- every experiment and recipe (conf/experiment/*.yaml, recipes/*.yaml), so that none can rot ----
+# With dtf's own pytest plugin (dtf.testing), as a user's project tests its own: dtf_run's tiny
+# budget (2 steps on 2 local ranks), and a smaller model where the recipe's is the point (its
+# measured run: recipes/README.md).
+SMALLER = {"+recipe=sagemaker_vit": ["model.num_hidden_layers=1"]}
 
 
 def test_the_recipes_are_found() -> None:
     assert {"maggy_approximator", "horovod_mnist", "alcf_scaling", "slurm_preemption"} <= set(recipe_names())
+    assert {f"+recipe={name}" for name in recipe_names()} < set(experiments())
+    assert "+experiment=digits_cnn" in experiments()
 
 
-@pytest.mark.parametrize("name", recipe_names())
-def test_every_recipe_composes_validates_and_runs_for_a_tiny_budget(dtf, name: str) -> None:  # type: ignore[no-untyped-def]
+def _sweep_points(experiment: str) -> list[list[str]]:
+    """The points of the sweep an experiment or recipe defines (hydra.sweeper.params), if any."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from dtf.config.validate import validate
+    from dtf.api import _compose
 
-    validate(_compose([f"+recipe={name}"]))  # as written, its own launcher included
-    # a sweep recipe: each of its points composes and validates too
-    params = _compose([f"+recipe={name}"], hydra=True).hydra.sweeper.get("params") or {}
+    params = _compose([experiment], None, "sweep")[2].sweeper.get("params") or {}
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    for point in [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]:
-        validate(_compose([f"+recipe={name}", *point]))
+    return [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
+
+
+@pytest.mark.parametrize("experiment", experiments())
+def test_every_experiment_and_recipe_composes_validates_and_runs_for_a_tiny_budget(  # type: ignore[no-untyped-def]
+    dtf_compose, dtf_run, experiment: str
+) -> None:
+    dtf_compose(experiment)  # as written, its own launcher included
+    for point in _sweep_points(experiment):  # a sweep recipe: each of its points composes and validates too
+        dtf_compose(experiment, *point)
     # and it trains, for a few steps on 2 local ranks
-    run = dtf(f"+recipe={name}", *TINY, *SMALLER.get(name, []))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.summary["global_step"] == 3 and run.summary["params_sha256_consistent"]
+    summary = dtf_run(experiment, *SMALLER.get(experiment, []))
+    assert summary["global_step"] == 2 and summary["world_size"] == 2 and summary["params_sha256_consistent"]
 
 
 def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
