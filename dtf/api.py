@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dtf.errors import UserError
+from dtf.errors import UserError, config_error_line
 from dtf.results import Finished, Stopped, Submitted
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def sweep(
     try:
         parsed = OverridesParser.create().parse_overrides(given)
     except HydraException as e:
-        raise UserError(" ".join(str(e).split())) from None
+        raise UserError(config_error_line(e)) from None
     # The config's own sweep (hydra.sweeper.params, e.g. a recipe's) comes first, then the arguments,
     # as in Hydra's BasicSweeper.sweep; the sweep's directory is named by the fixed overrides.
     fixed = [str(o.input_line) for o in parsed if not o.is_sweep_override()]
@@ -168,8 +168,7 @@ def _compose(overrides: list[str], config_dir: str | None, mode: str) -> tuple[D
         with _no_hydra_running(), initialize_config_module("dtf.conf", version_base="1.3"):
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:  # an unknown group option, a key not in the config, a bad grammar
-        # Hydra's message, on one line, without the search path it lists after it
-        message = " ".join(str(e).split("Config search path:")[0].split())
+        message = config_error_line(e)
         raise UserError(f"{_unparsable(overrides)}: {message}" if _unparsable(overrides) else message) from None
     hydra_cfg = cfg.hydra
     directory = str(hydra_cfg.run.dir if mode == "run" else hydra_cfg.sweep.dir)

@@ -6,10 +6,12 @@ The config is resolved and frozen here, once, on the driver; launchers ship that
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -21,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtf import hydra_sweep, launch
 from dtf.config.typed import RunConfig
 from dtf.config.validate import validate
-from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.errors import Interrupted, RankFailedError, UserError, config_error_line
 from dtf.launch.base import WorkerFn
 from dtf.rank import rank_main
 from dtf.results import (
@@ -125,8 +127,13 @@ def _make_dir(path: str, key: str) -> None:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+_task_started = False  # set once Hydra hands dtf a composed config: errors after it are not the command line's
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    global _task_started
+    _task_started = True
     return run_point(cfg, HydraConfig.get().runtime.output_dir, value_sweep=hydra_sweep.wants_values())
 
 
@@ -204,4 +211,39 @@ def run_point(cfg: DictConfig, run_dir: str, value_sweep: bool = False) -> float
 
 
 def main() -> None:
-    _hydra_main()
+    with config_errors_in_one_line():
+        _hydra_main()
+
+
+@contextlib.contextmanager
+def config_errors_in_one_line() -> Iterator[None]:
+    """A command line Hydra cannot compose (a misspelled key, an unknown option, a bad grammar)
+    ends with dtf's one line and exit status 2, as every other bad input does: Hydra itself prints
+    its message over several lines and exits 1, which dtf's exit statuses keep for a failed rank.
+
+    Hydra reports through hydra._internal.utils.run_and_report (hydra-core 1.3); dtf wraps what it
+    runs, so only a config error raised before dtf's task starts is turned into the line, and
+    HYDRA_FULL_ERROR=1 still shows Hydra's traceback."""
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    report = hydra_utils.run_and_report
+
+    def run_and_report(func: Any) -> Any:
+        def composing() -> Any:
+            try:
+                return func()
+            except (HydraException, OmegaConfBaseException) as e:
+                if _task_started or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"dtf: error: {config_error_line(e)}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_USER_ERROR) from None
+
+        return report(composing)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report

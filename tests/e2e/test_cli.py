@@ -203,10 +203,19 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
     assert "Traceback" not in proc.stderr
 
 
-def test_unknown_option_lists_the_valid_ones(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("strategy=nope")
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert "Could not find 'strategy/nope'" in run.stderr and "\tddp" in run.stderr
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["strategy=nope"], "In 'config': Could not find 'strategy/nope' Available options in 'strategy': ddp fsdp"),
+        (["trainer.max_step=2"], "Could not override 'trainer.max_step'. To append to your config use +trainer"),
+        (["trainer.max_step=1,2"], "Could not override 'trainer.max_step'. To append to your config use +"),
+    ],
+)
+def test_a_command_line_hydra_cannot_compose_is_one_line(dtf, args: list[str], line: str) -> None:  # type: ignore[no-untyped-def]
+    run = dtf(*args, multirun="," in args[0])
+    assert run.returncode == 2, run.stderr  # bad input, not a failed rank (Hydra's own exit status is 1)
+    lines = [text for text in run.stderr.splitlines() if text.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {line}"), run.stderr
 
 
 @pytest.mark.parametrize(
