@@ -132,6 +132,7 @@ def test_parquet_copy_trains_to_the_in_memory_loss_without_shuffling(tmp_path: P
                 f"data.test_path={tmp_path / 'parquet' / 'test'}",
                 "data.shuffle_rows=false",
                 "data.shuffle_row_groups=false",
+                "data.canonical_partitions=1",  # one partition: steps of stored rows in order, as in memory
             ],
             tmp_path / "files",
         )

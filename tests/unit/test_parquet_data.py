@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.data import loader
 from dtf.data.parquet import data as parquet
-from dtf.data.parquet.plan import EpochOrder, train_share
+from dtf.data.parquet.plan import EpochOrder, Partitions, auto_partitions
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from tests.helpers.gloo import run_on_ranks
@@ -69,9 +69,11 @@ def test_skewed_row_groups_give_every_rank_the_same_batches_of_the_promised_rows
             torch.testing.assert_close(x, torch.stack([y, -y], 1).float() / 1000)  # features and label of one row
             # The rows are the ones the plan promises, looked up in the files by pyarrow, in plan order.
             order = EpochOrder(SKEWED, 3, number, True, True)
-            share = train_share(order, world, rank, batch, pad=remainder == "pad")
+            c = auto_partitions(world * batch, world)
+            plan = Partitions(order, c, world * batch // c, pad=remainder == "pad")
             starts = np.concatenate([[0], np.cumsum(SKEWED)])
-            promised = [int(labels[starts[s.piece] + r]) for s in share for r in s.rows]
+            segments = [s for step in plan.rank_steps(world, rank) for part in step for s in part]
+            promised = [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
             assert y.tolist() == promised
             used += promised
         n = len(labels)
@@ -147,7 +149,9 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
     for name, overrides in (("scalar_field", ["num_points=1000", "num_test=200"]), ("digits", [])):
         x, y = build_splits(name, overrides)["train"]
         write_parquet(x, y, tmp_path / name, rows_per_group=100)
-        cfg = config(tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False)
+        cfg = config(
+            tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False, canonical_partitions=1
+        )
         parquet_batches = epoch(parquet.build(cfg, env(), seed=0)[0], 0)
         option = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / f"{name}.yaml")
         dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtf.errors import UserError
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -160,6 +162,26 @@ def partitions_problem(num_partitions: int, world_size: int, global_batch: int) 
 def world_sizes_for(num_partitions: int, global_batch: int) -> list[int]:
     """The world sizes that C partitions can feed at one global batch: the divisors of C."""
     return [n for n in range(1, num_partitions + 1) if num_partitions % n == 0 and global_batch % n == 0]
+
+
+def choose_partitions(setting: int | str, recorded: int | None, world_size: int, batch_size: int) -> int:
+    """data.canonical_partitions: a number as given; auto: the checkpoint's (a resumed run keeps
+    its sequence), else auto_partitions(G, N). UserError when the world size or G does not fit it."""
+    global_batch = world_size * batch_size
+    if setting != "auto":
+        chosen, why = int(setting), f"data.canonical_partitions={setting}"
+    elif recorded is not None:
+        chosen, why = recorded, f"the run's checkpoint recorded data.canonical_partitions={recorded}"
+    else:
+        return auto_partitions(global_batch, world_size)
+    problem = partitions_problem(chosen, world_size, global_batch)
+    if problem is None:
+        return chosen
+    sizes = ", ".join(map(str, world_sizes_for(chosen, chosen)))
+    fits = f"a world size that divides {chosen} ({sizes}) and a global batch that {chosen} divides"
+    if setting == "auto":
+        raise UserError(f"{problem} ({why}): resume on {fits}, or start afresh with checkpoint.resume=never")
+    raise UserError(f"{problem}: use {fits}, or data.canonical_partitions=auto")
 
 
 def take_rows(segments: Sequence[Segment], size: int) -> Iterator[list[Segment]]:

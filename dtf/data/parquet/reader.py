@@ -13,7 +13,6 @@ fields dtf found in all files.
 from __future__ import annotations
 
 import re
-from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,26 +177,62 @@ def read_segments(
     source: ParquetSource, segments: Sequence[Segment], columns: Sequence[str], opts: ReaderOptions
 ) -> Iterator[Columns]:
     """The rows of each segment, in order, as one numpy array per column (dim 0: rows)."""
-    segments = [s for s in segments if len(s)]  # Petastorm publishes nothing for a row group without rows
-    if not segments:
+    for step in read_steps(source, [[[s]] for s in segments], columns, opts):
+        yield step[0]
+
+
+def read_steps(
+    source: ParquetSource, steps: Sequence[Sequence[Sequence[Segment]]], columns: Sequence[str], opts: ReaderOptions
+) -> Iterator[list[Columns]]:
+    """Per step, the rows of its segments (per partition, a few segments each), in order.
+
+    Several partition streams are served by one pool: every row group is read once, in the
+    order it is first needed, and when it arrives all the rows any later step takes from it are
+    gathered out of it at once (the row group itself is then let go). So a rank holds about one
+    row group per partition it reads (the rows of it still to come), plus what the pool has read
+    ahead, and a row group that two partitions share, or that padding repeats, is not read twice.
+    """
+    flat = [seg for step in steps for part in step for seg in part if len(seg)]
+    if not flat:  # Petastorm publishes nothing for a row group without rows
         return
+    uses: dict[int, list[int]] = {}  # row group -> the indices in flat of its segments (order of first use)
+    for i, seg in enumerate(flat):
+        uses.setdefault(seg.piece, []).append(i)
     quiet_petastorm()
     pool = _make_pool(opts)
-    _start(pool, source, [s.piece for s in segments], columns, opts)
-    pending: defaultdict[int, deque[Any]] = defaultdict(deque)
+    _start(pool, source, list(uses), columns, opts)
+    arrived: dict[int, Any] = {}  # read ahead of their turn
+    ready: dict[int, Columns] = {}  # index in flat -> its rows
+    i = 0
     try:
-        for seg in segments:
-            arrived = pending[seg.piece]
-            while not arrived:
-                piece, payload = _next_result(pool, source, seg.piece)
-                if isinstance(payload, WorkerReadError):
-                    raise UserError(f"{source.key}={source.url}: {payload}")
-                pending[piece].append(payload)
-            payload = arrived.popleft()
-            yield (_rows_to_columns if opts.row_reader else _table_to_columns)(payload, seg.rows, columns)
+        for step in steps:
+            out = []
+            for part in step:
+                for seg in part:
+                    if not len(seg):
+                        continue
+                    if i not in ready:
+                        while seg.piece not in arrived:
+                            piece, payload = _next_result(pool, source, seg.piece)
+                            if isinstance(payload, WorkerReadError):
+                                raise UserError(f"{source.key}={source.url}: {payload}")
+                            arrived[piece] = payload
+                        gather = _gatherer(arrived.pop(seg.piece), columns, opts.row_reader)
+                        ready.update((j, gather(flat[j].rows)) for j in uses[seg.piece])
+                    out.append(ready.pop(i))
+                    i += 1
+            yield out
     finally:
         pool.stop()
         pool.join()
+
+
+def _gatherer(payload: Any, columns: Sequence[str], row_reader: bool) -> Callable[[np.ndarray], Columns]:
+    """rows -> those rows of one row group as arrays; the row group's columns are converted once."""
+    if row_reader:
+        return lambda rows: _rows_to_columns(payload, rows, columns)
+    whole = {name: arrow_to_numpy(payload.column(name), name) for name in dict.fromkeys(columns)}
+    return lambda rows: _take(whole, rows)
 
 
 def _next_result(pool: Any, source: ParquetSource, waiting_for: int) -> tuple[int, Any]:
@@ -219,14 +254,12 @@ def _is_range(rows: np.ndarray) -> bool:
     return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
 
 
-def _table_to_columns(table: Any, rows: np.ndarray, columns: Sequence[str]) -> Columns:
+def _take(whole: Columns, rows: np.ndarray) -> Columns:
     # Whole columns as zero-copy views, then one numpy gather (or a view, for a contiguous run
     # of rows): cheaper than Arrow's take on list columns followed by a copy out of Arrow.
-    out = {}
-    for name in columns:
-        values = arrow_to_numpy(table.column(name), name)
-        out[name] = values[int(rows[0]) : int(rows[0]) + len(rows)] if _is_range(rows) else values[rows]
-    return out
+    if _is_range(rows):
+        return {name: values[int(rows[0]) : int(rows[0]) + len(rows)] for name, values in whole.items()}
+    return {name: values[rows] for name, values in whole.items()}
 
 
 def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
