@@ -29,7 +29,7 @@ from dtf.data.parquet.plan import (
     eval_share,
     remainder_rows,
 )
-from dtf.data.parquet.reader import Columns, ReaderOptions, read_segments, read_steps
+from dtf.data.parquet.reader import Columns, ReaderOptions, assemble, read_segments, read_steps
 from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -162,8 +162,7 @@ class _Stream:
     def step_batches(self, steps: Sequence[Sequence[Sequence[Segment]]]) -> Iterator[Batch]:
         """One batch per step: the step's rows of every partition, concatenated in partition order."""
         for parts in read_steps(self.source, steps, self.layout.columns, self.reader):
-            cols = parts[0] if len(parts) == 1 else {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
-            x, y = self.layout.arrays(cols)
+            x, y = self.layout.arrays(assemble(parts))
             yield self._finish(torch.from_numpy(x), torch.from_numpy(y))
 
 
