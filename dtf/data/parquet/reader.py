@@ -303,7 +303,7 @@ def assemble(parts: Sequence[Part]) -> Columns:
             if isinstance(rows, slice) or values.dtype != dtype:
                 buffer[start:stop] = values[rows]
             else:
-                np.take(values, rows, axis=0, out=buffer[start:stop], mode="clip")  # clip: unbuffered
+                values.take(rows, axis=0, out=buffer[start:stop], mode="clip")  # clip: unbuffered
             start = stop
         out[name] = buffer
     return out
