@@ -17,6 +17,14 @@ that machine load hits all alike, each pipeline reads one full epoch in this pro
 
 It prints rows/s per pipeline (median over repeats) and the ratios; target: dtf >= 0.95 x petastorm.
 
+Per rank, against another checkout (--baseline DIR, e.g. `git worktree add /tmp/old <commit>`):
+
+    .venv/bin/python benchmarks/data.py --world-size 2 --baseline /tmp/old [--rows ...]
+
+reads each rank's epoch of `data=petastorm` (rank r of --world-size, one rank at a time) in child
+processes, one per (checkout, rank), alternating between this checkout and the baseline within
+every repeat, and prints rows/s per rank (median over repeats) and the ratio.
+
 Images (--images): a Petastorm dataset in the style of Petastorm's hello_world (a Unischema with a
 PNG image field of --image-size^2 x 3 random uint8 pixels and an int label, written by Spark through
 materialize_dataset). Every pipeline decodes every image (Petastorm's CompressedImageCodec, OpenCV)
@@ -168,6 +176,84 @@ def image_case(args: argparse.Namespace) -> None:
         print(f"  dtf / petastorm ({pool}) = {med[f'dtf/{pool}'] / med[f'petastorm/{pool}']:.2f}")
 
 
+# A child process of --baseline: the training data of rank `rank` of `world` with the dtf it imports
+# (PYTHONPATH), one epoch per line read from stdin, "<rows> <seconds>" per epoch on stdout. Only
+# API that old and new checkouts share.
+_RANK_READER = """
+import sys, time, torch
+from omegaconf import OmegaConf
+from dtf.config.schema import PetastormDataConfig
+from dtf.data.parquet import data as parquet
+from dtf.data.parquet.source import quiet_petastorm
+from dtf.dist.env import DistEnv
+quiet_petastorm()
+torch.set_num_threads(1)
+path, rank, world, batch, workers = sys.argv[1], *map(int, sys.argv[2:6])
+cfg = OmegaConf.structured(PetastormDataConfig(path=path, batch_size=batch, workers_count=workers))
+data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
+for line in sys.stdin:
+    data.set_epoch(int(line))
+    t0 = time.perf_counter()
+    rows = sum(len(labels) for _, labels in data)
+    print(rows, time.perf_counter() - t0, flush=True)
+"""
+
+
+def per_rank_case(args: argparse.Namespace) -> None:
+    import os
+    import subprocess
+    import sys
+
+    checkouts = {"this": str(Path(__file__).resolve().parents[1]), "baseline": str(Path(args.baseline).resolve())}
+    x, y = build_splits(args.data)["train"]
+    reps = -(-args.rows // len(x))
+    x, y = np.concatenate([x] * reps)[: args.rows], np.concatenate([y] * reps)[: args.rows]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train"
+        write_parquet(x, y, path, args.rows_per_group)
+        procs = {}
+        for name, root in checkouts.items():
+            env = dict(os.environ, PYTHONPATH=root)
+            for rank in range(args.world_size):
+                cmd = [sys.executable, "-c", _RANK_READER, str(path), str(rank), str(args.world_size)]
+                cmd += [str(args.batch_size), str(args.workers)]
+                procs[(name, rank)] = subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp
+                )
+        results: dict[tuple[str, int], list[float]] = {key: [] for key in procs}
+        try:
+            for i in range(args.repeats + 1):  # the first round warms caches and imports; not counted
+                order = list(procs) if i % 2 else list(reversed(procs))
+                for key in order:
+                    proc = procs[key]
+                    assert proc.stdin is not None and proc.stdout is not None
+                    proc.stdin.write(f"{i}\n")
+                    proc.stdin.flush()
+                    rows, seconds = proc.stdout.readline().split()
+                    if i:
+                        results[key].append(int(rows) / float(seconds))
+        finally:
+            for proc in procs.values():
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.wait()
+    med = {key: statistics.median(v) for key, v in results.items()}
+    print(
+        f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, "
+        f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, {args.workers} reader "
+        f"workers, median of {args.repeats} alternating repeats; this = {checkouts['this']}, "
+        f"baseline = {checkouts['baseline']}"
+    )
+    for rank in range(args.world_size):
+        this, base = med[("this", rank)], med[("baseline", rank)]
+        print(
+            f"  rank {rank}: this {this:>10,.0f} rows/s, baseline {base:>10,.0f} rows/s, "
+            f"this / baseline = {this / base:.3f}"
+        )
+    mean = {name: statistics.mean(med[(name, r)] for r in range(args.world_size)) for name in checkouts}
+    print(f"  mean per rank: this / baseline = {mean['this'] / mean['baseline']:.3f}  (target >= 0.95)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="fake_images", choices=["fake_images", "digits", "scalar_field"])
@@ -178,6 +264,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="Petastorm reader workers (both pipelines)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world-size", type=int, default=1, help="with --baseline: ranks whose epochs are read")
+    p.add_argument("--baseline", default=None, help="another dtf checkout: rows/s per rank, this one vs it")
     args = p.parse_args()
     quiet_petastorm()
     torch.set_num_threads(1)
@@ -188,6 +276,9 @@ def main() -> None:
         return
     args.rows = args.rows or 16384
     args.rows_per_group = args.rows_per_group or 1024
+    if args.baseline:
+        per_rank_case(args)
+        return
 
     x, y = build_splits(args.data)["train"]
     reps = -(-args.rows // len(x))

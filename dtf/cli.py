@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtf import hydra_sweep, launch
 from dtf.config.typed import RunConfig
-from dtf.config.validate import validate
+from dtf.config.validate import check_canonical_partitions, validate
 from dtf.errors import Interrupted, RankFailedError, UserError, config_error_line
 from dtf.launch.base import WorkerFn
 from dtf.rank import rank_main
@@ -69,6 +69,8 @@ def check(cfg: DictConfig) -> RunConfig:
 def launch_frozen(
     sections: RunConfig, cfg: DictConfig, run_dir: str, rank_fn: WorkerFn = rank_main
 ) -> RunResult | None:
+    # Where checkpoint.resume=auto looks is known only now: a recorded data sequence the world size cannot use.
+    check_canonical_partitions(sections, Path(run_dir))
     return launch.build(sections.launcher).launch(rank_fn, cfg, run_dir)
 
 

@@ -27,7 +27,7 @@ from dtf.results import Finished, RunResult, Stopped
 from dtf.strategy import memory
 from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
-from dtf.train.checkpoint import Checkpointer, choose_start
+from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
@@ -149,7 +149,14 @@ def train(
             "(model, batch, loss_fn) -> loss that calls them"
         )
     blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
-    train_data, eval_data = loader.build(run.data, env, seed=t.seed)
+    # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it. Before
+    # the data: a resumed run's Parquet sequence is the one its checkpoint recorded.
+    found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
+    if note:
+        print(f"dtf: {note}", flush=True)
+    resume = dist_env.broadcast_from_main(str(found) if found else None)
+    recorded = recorded_position(Path(resume)).get("canonical_partitions") if resume is not None else None
+    train_data, eval_data = loader.build(run.data, env, seed=t.seed, recorded_partitions=recorded)
     if eval_data is None and t.objective.startswith("test/") and t.objective != "test/loss":
         raise UserError(
             f"trainer.objective={t.objective}: this data has no test set; judge the run by train/loss "
@@ -199,11 +206,6 @@ def train(
         pruning=trial_pruning(cfg, run, eval_data is not None, env),
     )
     trainer.model_state_estimate_bytes = estimate.bytes_per_rank if estimate else None
-    # Rank 0 picks the checkpoint (it alone warns about incomplete ones); all ranks load it.
-    found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
-    if note:
-        print(f"dtf: {note}", flush=True)
-    resume = dist_env.broadcast_from_main(str(found) if found else None)
     if resume is not None:
         trainer.resume_from(Path(resume))
         if env.is_main:

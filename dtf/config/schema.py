@@ -342,6 +342,11 @@ class PetastormDataConfig:
     shuffle_row_groups: bool = True
     shuffle_rows: bool = True
     remainder: Remainder = Remainder.drop
+    # C: every epoch's row sequence is cut into C partitions; every step takes G / C rows from
+    # each (G = world size x batch_size) and rank r of N reads partitions [r C/N, (r+1) C/N).
+    # The steps are the same on every world size that divides C. auto: the checkpoint's on a
+    # resume, else gcd(G, lcm(N, 24)). A number: G must be a multiple of it, N a divisor.
+    canonical_partitions: Any = "auto"
     reader: PetastormReader = PetastormReader.auto
     reader_pool_type: ReaderPool = ReaderPool.thread
     # Row groups read in parallel (per rank).
@@ -363,6 +368,13 @@ class PetastormDataConfig:
         )
         require(self.workers_count >= 1, "data.workers_count", self.workers_count, "use 1 or more reader workers")
         require(self.results_queue_size >= 1, "data.results_queue_size", self.results_queue_size, "use 1 or more")
+        c = self.canonical_partitions
+        require(
+            c == "auto" or (isinstance(c, int) and not isinstance(c, bool) and c >= 1),
+            "data.canonical_partitions",
+            c,
+            "use auto or a positive number of partitions, e.g. data.canonical_partitions=24",
+        )
 
 
 @dataclass

@@ -53,6 +53,7 @@ def validate(cfg: DictConfig) -> RunConfig:
 
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
+        check_canonical_partitions(run, None)
     _check_strategy(cfg, run)
     _check_metrics(cfg, run.trainer)
     _check_performance_switches(cfg, run)
@@ -89,6 +90,42 @@ def _check_known_keys(node: DictConfig, section: str) -> None:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
             hint = f"did you mean {section}.{close[0]}?" if close else f"its keys: {', '.join(sorted(fields))}"
             raise UserError(f"{section}.{key} is not a setting of dtf's {section} ({hint}); remove +{section}.{key}")
+
+
+def check_canonical_partitions(run: RunConfig, run_dir: Path | None) -> None:
+    """Parquet's canonical partitions against the world size and the global batch, where the
+    driver knows the world size: the ones asked for, or those of the checkpoint the run resumes
+    from (run_dir: where checkpoint.resume=auto looks; None: not known yet)."""
+    if not isinstance(run.data, PetastormDataConfig):
+        return
+    world = expected_world_size(run.launcher)
+    if world is None:
+        return  # elastic: the ranks check it once they meet
+    from dtf.data.parquet.plan import choose_partitions
+
+    choose_partitions(
+        run.data.canonical_partitions, _recorded_partitions(run.checkpoint, run_dir), world, run.data.batch_size
+    )
+
+
+def _recorded_partitions(c: CheckpointConfig, run_dir: Path | None) -> int | None:
+    """The canonical partitions recorded in the checkpoint this run will resume from, if known."""
+    from dtf.train.checkpoint import recorded_position, scan
+
+    if c.resume == "never":
+        return None
+    if c.resume == "auto":
+        found = scan(run_dir / c.dir)[0] if run_dir is not None else []
+        path = found[0] if found else None
+    else:
+        path = Path(c.resume)
+    if path is None:
+        return None
+    try:
+        value = recorded_position(path).get("canonical_partitions")
+    except Exception:  # unreadable: the ranks skip or refuse that checkpoint with a reason
+        return None
+    return int(value) if value is not None else None
 
 
 def _check_machine(t: TrainerConfig) -> None:

@@ -165,11 +165,14 @@ def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
     return built, None
 
 
-def build(cfg: DataConfig, env: DistEnv, seed: int) -> tuple[TrainData, EvalData | None]:
+def build(
+    cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
+) -> tuple[TrainData, EvalData | None]:
+    """recorded_partitions: the canonical partitions of the checkpoint a resumed run starts from (Parquet)."""
     if isinstance(cfg, PetastormDataConfig):
         from dtf.data.parquet import data as parquet  # petastorm and pyarrow: only for runs that read Parquet
 
-        return parquet.build(cfg, env, seed)
+        return parquet.build(cfg, env, seed, recorded_partitions)
     train_set, test_set = split_datasets(cfg.dataset)
     return from_datasets(train_set, test_set, cfg, env, seed)
 

@@ -407,6 +407,13 @@ class Checkpointer:
         return trainer_state, rng, int(meta["world_size"])
 
 
+def recorded_position(path: Path) -> dict[str, Any]:
+    """The trainer state a checkpoint holds (TrainState's fields: step, epoch, samples_in_epoch,
+    global_batch, canonical_partitions, ...), read without loading anything else."""
+    saved = torch.load(path / TRAINER_FILE, weights_only=True)
+    return dict(saved.get("trainer", saved))
+
+
 def newest_intact(root: Path) -> Path | None:
     """The newest checkpoint under root that is complete and undamaged; each one passed over is named
     in a warning line (incomplete ones are normal after a kill; damaged ones are not)."""

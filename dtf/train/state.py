@@ -30,6 +30,10 @@ class TrainState:
     # Per finished epoch: {"epoch": n, "train/loss": ..., "test/loss": ..., "test/<metric>": ...}
     # (test values in the epochs that were evaluated).
     metrics_per_epoch: list[dict[str, float]] = field(default_factory=list)
+    # What samples_in_epoch counts in: the global batch (samples per batch over all ranks) and, for
+    # Parquet, the number of canonical partitions whose sequence it is a position in (None: none).
+    global_batch: int | None = None
+    canonical_partitions: int | None = None
 
     def latest_metrics(self) -> dict[str, float]:
         """Every value's latest figure (a test value from the latest evaluation)."""
@@ -46,7 +50,11 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        added_since = {"metrics_per_epoch"}  # a checkpoint from before they existed loads without them
+        added_since = {
+            "metrics_per_epoch",
+            "global_batch",
+            "canonical_partitions",
+        }  # a checkpoint from before they existed loads without them
         missing = [name for name in asdict(self) if name not in state and name not in added_since]
         if missing:
             raise UserError(

@@ -130,6 +130,8 @@ def run_facts(run: RunConfig, cfg: DictConfig, trainer: Trainer) -> dict[str, An
         "data_batches_per_epoch": len(data),
         "data_dropped_per_epoch": data.num_dropped_per_epoch,  # over all ranks
         "data_repeated_per_epoch": data.num_repeated_per_epoch,
+        # Parquet's data.canonical_partitions as used (auto resolved); null for in-memory data.
+        "data_canonical_partitions": getattr(data, "num_partitions", None),
         "slurm_job_id": os.environ["SLURM_JOB_ID"] if on_slurm else None,
         "slurm_restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
         "weights_file": WEIGHTS_FILE if run.trainer.export_weights else None,

@@ -88,6 +88,7 @@ class Trainer:
         self.pruning = pruning
         self.pruned_at_epoch: int | None = None  # the search pruned this trial after that epoch
         self.state = TrainState()
+        self._record_data_position()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.metrics = metrics  # on the test set, at each evaluation
         self.train_metrics = train_metrics  # on the current epoch's training batches (none unless asked)
@@ -102,6 +103,11 @@ class Trainer:
         self._t_last = 0.0
         self.total_steps = self._planned_steps()
         self.schedule.start(Plan(self.total_steps, settings.steps_per_epoch(len(train_data))))
+
+    def _record_data_position(self) -> None:
+        """What the data's positions count in, kept in the checkpoint for a resume to check against."""
+        self.state.global_batch = self.train_data.samples_after(1) - self.train_data.samples_after(0)
+        self.state.canonical_partitions = getattr(self.train_data, "num_partitions", None)
 
     def _planned_steps(self) -> int:
         """Optimizer steps of the whole run: max_steps, or what finishes max_epochs from where the run stands."""
@@ -330,7 +336,9 @@ class Trainer:
         self.train_metrics.load_state_dict(saved.get("train_metrics", {}), holder=self.env.is_main)
         self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
         self.resumed_from_step = self.state.step
-        notes = self._seek(saved_world)
+        saved_batch, saved_partitions = self.state.global_batch, self.state.canonical_partitions
+        self._record_data_position()
+        notes = self._seek(saved_world, saved_batch, saved_partitions)
         self.total_steps = self._planned_steps()
         max_epochs = None if self.s.max_steps is not None else self.s.max_epochs
         self.schedule.resume(saved["schedule"], max_epochs, self.state.step, self.total_steps)
@@ -345,10 +353,31 @@ class Trainer:
             for note in notes:
                 print(f"dtf: warning: resuming {path}: {note}", flush=True)
 
-    def _seek(self, saved_world: int) -> list[str]:
-        """The batch of the current epoch to start from: the first one whose samples were not all used.
+    def _seek(self, saved_world: int, saved_batch: int | None = None, saved_partitions: int | None = None) -> list[str]:
+        """The batch of the current epoch to start from: the first one whose samples were not all used
+        (data that can seek to a sample continues from the very sample reached).
         Returns what the user should know about the position."""
         data, used = self.train_data, self.state.samples_in_epoch
+        epoch = self.state.epoch + 1
+        seek = getattr(data, "seek", None)
+        if seek is not None:
+            self.start_batch = seek(self.state.epoch, used)
+            batch, partitions = self.state.global_batch, self.state.canonical_partitions
+            if not used:
+                return []
+            if saved_partitions is not None and saved_partitions != partitions:
+                return [
+                    f"data.canonical_partitions changed ({saved_partitions} -> {partitions}) in the middle of epoch "
+                    f"{epoch}: the rest of that epoch is cut differently, so some samples are seen twice and others "
+                    "not at all; later epochs are whole"
+                ]
+            if saved_batch is not None and saved_batch != batch:
+                return [
+                    f"the global batch changed ({saved_batch} -> {batch}) in the middle of epoch {epoch}: every "
+                    f"partition continues from the row it had reached ({used // (partitions or 1)}), but the batch "
+                    "composition differs from there on"
+                ]
+            return []
         num_batches = len(data)
         per_batch = data.samples_after(1)
         start = min(num_batches, used // per_batch)
@@ -356,7 +385,6 @@ class Trainer:
             start += 1
         self.start_batch = start
         seen_twice = used - data.samples_after(start) if start < num_batches else 0
-        epoch = self.state.epoch + 1
         moved = saved_world != self.env.world_size and not data.position_survives_world_size_change
         if moved and 0 < start < num_batches:
             return [

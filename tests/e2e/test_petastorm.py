@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dtf.data.parquet.plan import EpochOrder, batches_per_rank, train_share
+from dtf.data.parquet.plan import EpochOrder, Partitions, auto_partitions, batches_per_rank
 from dtf.data.prepare import build_splits, write_parquet
 from tests.conftest import DtfRun, run_dtf
 from tests.helpers import user_datasets
@@ -41,8 +41,10 @@ def promised_rows(data: Path, world: int, rank: int, epoch: int, remainder: str)
     """What rank must train on in epoch: the plan's rows, looked up in the files with pyarrow."""
     labels = np.concatenate([pq.read_table(f, columns=["label"])["label"].to_numpy() for f in sorted(data.iterdir())])
     starts = np.concatenate([[0], np.cumsum(SKEWED)])
-    share = train_share(EpochOrder(SKEWED, SEED, epoch, True, True), world, rank, BATCH, remainder == "pad")
-    return [int(labels[starts[s.piece] + r]) for s in share for r in s.rows]
+    c = auto_partitions(world * BATCH, world)  # data.canonical_partitions=auto
+    plan = Partitions(EpochOrder(SKEWED, SEED, epoch, True, True), c, world * BATCH // c, remainder == "pad")
+    segments = [s for step in plan.rank_steps(world, rank) for part in step for s in part]
+    return [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
 
 
 def ok(run: DtfRun) -> DtfRun:
@@ -132,6 +134,7 @@ def test_parquet_copy_trains_to_the_in_memory_loss_without_shuffling(tmp_path: P
                 f"data.test_path={tmp_path / 'parquet' / 'test'}",
                 "data.shuffle_rows=false",
                 "data.shuffle_row_groups=false",
+                "data.canonical_partitions=1",  # one partition: steps of stored rows in order, as in memory
             ],
             tmp_path / "files",
         )

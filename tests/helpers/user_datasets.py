@@ -7,7 +7,10 @@
   StandardScaler column, written with partitionBy("split", "bucket") (root/split=train/bucket=0,
   ..., and a _SUCCESS file);
 - pandas: files of uneven sizes written by pandas.to_parquet, one of them empty (and first in
-  sort order), whose integer and float columns differ in width from file to file.
+  sort order), whose integer and float columns differ in width from file to file;
+- field: a regression (features x in [-3, 3]^2, label sin(x1) + cos(x0)) to train on, as plain
+  Parquet written by pyarrow with skewed row groups, and as a Petastorm dataset written by Spark
+  (files of uneven sizes).
 
 Every row carries its id (`id`), so a test can check which rows a rank read. `spark_datasets`
 and `pandas_dataset` write them once per test session (one Spark session for both Spark ones).
@@ -134,18 +137,86 @@ def write_pandas(directory: Path) -> Path:
     return directory
 
 
-_SPARK_WRITTEN: dict[Path, tuple[Path, Path]] = {}
+FIELD_ROW_GROUPS = (700, 13, 290, 1, 500, 96, 400)  # plain Parquet: one file, skewed row groups
+FIELD_FILES = (1200, 300, 500)  # the Petastorm dataset: rows per Spark write (one file each)
+
+
+def field_rows(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(20).uniform(-3, 3, size=(num_rows, 2)).astype(np.float32)
+    return x, (np.sin(x[:, 1]) + np.cos(x[:, 0])).astype(np.float32)
+
+
+def write_field_parquet(directory: Path) -> Path:
+    """The field as pyarrow writes it: one file whose row groups hold FIELD_ROW_GROUPS rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    x, y = field_rows(sum(FIELD_ROW_GROUPS))
+    offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * 2)
+    table = pa.table({"features": pa.ListArray.from_arrays(offsets, pa.array(x.reshape(-1))), "label": y})
+    with pq.ParquetWriter(directory / "field.parquet", table.schema) as writer:
+        start = 0
+        for size in FIELD_ROW_GROUPS:
+            writer.write_table(table.slice(start, size), row_group_size=size)
+            start += size
+    return directory
+
+
+def write_field_petastorm(spark: Any, directory: Path) -> Path:
+    """The field as a Petastorm dataset (a Unischema: features NdarrayCodec, label a float), one
+    Spark write per entry of FIELD_FILES, so its files differ in size."""
+    from petastorm.codecs import NdarrayCodec, ScalarCodec
+    from petastorm.etl.dataset_metadata import materialize_dataset
+    from petastorm.unischema import Unischema, UnischemaField, dict_to_spark_row
+    from pyspark.sql.types import FloatType
+
+    schema = Unischema(
+        "FieldSchema",
+        [
+            UnischemaField("features", np.float32, (2,), NdarrayCodec(), False),
+            UnischemaField("label", np.float32, (), ScalarCodec(FloatType()), False),
+        ],
+    )
+    x, y = field_rows(sum(FIELD_FILES))
+    rows = [dict_to_spark_row(schema, {"features": x[i], "label": np.float32(y[i])}) for i in range(len(x))]
+    url = directory.resolve().as_uri()
+    with materialize_dataset(spark, url, schema, row_group_size_mb=1):
+        start = 0
+        for k, size in enumerate(FIELD_FILES):
+            part = spark.createDataFrame(
+                spark.sparkContext.parallelize(rows[start : start + size], 1), schema.as_spark_schema()
+            )
+            part.write.mode("overwrite" if k == 0 else "append").parquet(url)
+            start += size
+    return directory
+
+
+_SPARK_WRITTEN: dict[Path, tuple[Path, Path, Path]] = {}
+
+
+def _spark_written(base: Path) -> tuple[Path, Path, Path]:
+    if base not in _SPARK_WRITTEN:
+        spark = spark_session("local[2]")  # a plain local session; the data are written by Spark itself
+        try:
+            _SPARK_WRITTEN[base] = (
+                write_hello_world(spark, base / "hello_world"),
+                write_hive(spark, base / "hive"),
+                write_field_petastorm(spark, base / "field_petastorm"),
+            )
+        finally:
+            spark.stop()
+    return _SPARK_WRITTEN[base]
 
 
 def spark_datasets(base: Path) -> tuple[Path, Path]:
     """(hello_world, hive) under base, written on the first call (per base) of this test session."""
-    if base not in _SPARK_WRITTEN:
-        spark = spark_session("local[2]")  # a plain local session; the data are written by Spark itself
-        try:
-            _SPARK_WRITTEN[base] = (write_hello_world(spark, base / "hello_world"), write_hive(spark, base / "hive"))
-        finally:
-            spark.stop()
-    return _SPARK_WRITTEN[base]
+    return _spark_written(base)[:2]
+
+
+def field_petastorm(base: Path) -> Path:
+    """The field as a Petastorm dataset under base (written with the other Spark data sets)."""
+    return _spark_written(base)[2]
 
 
 def pandas_dataset(base: Path) -> Path:

@@ -50,6 +50,7 @@ def test_a_scalar_label_column_trains_like_the_same_data_in_memory(
             "data.label_column=z",
             "data.shuffle_row_groups=false",
             "data.shuffle_rows=false",
+            "data.canonical_partitions=1",  # one partition: the stored rows in order
         ],
         tmp_path / "parquet",
     )

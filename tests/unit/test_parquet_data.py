@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.data import loader
 from dtf.data.parquet import data as parquet
-from dtf.data.parquet.plan import EpochOrder, train_share
+from dtf.data.parquet.plan import EpochOrder, Partitions, auto_partitions
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from tests.helpers.gloo import run_on_ranks
@@ -69,9 +69,11 @@ def test_skewed_row_groups_give_every_rank_the_same_batches_of_the_promised_rows
             torch.testing.assert_close(x, torch.stack([y, -y], 1).float() / 1000)  # features and label of one row
             # The rows are the ones the plan promises, looked up in the files by pyarrow, in plan order.
             order = EpochOrder(SKEWED, 3, number, True, True)
-            share = train_share(order, world, rank, batch, pad=remainder == "pad")
+            c = auto_partitions(world * batch, world)
+            plan = Partitions(order, c, world * batch // c, pad=remainder == "pad")
             starts = np.concatenate([[0], np.cumsum(SKEWED)])
-            promised = [int(labels[starts[s.piece] + r]) for s in share for r in s.rows]
+            segments = [s for step in plan.rank_steps(world, rank) for part in step for s in part]
+            promised = [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
             assert y.tolist() == promised
             used += promised
         n = len(labels)
@@ -94,7 +96,7 @@ def test_resuming_mid_epoch_continues_with_exactly_the_remaining_batches(skewed:
 
 def test_order_is_fixed_by_the_seed_whatever_the_reader_pool(skewed: Path) -> None:
     runs = {}
-    for pool, workers in (("thread", 4), ("dummy", 1), ("thread", 1)):
+    for pool, workers in (("thread", 4), ("dummy", 1), ("thread", 1), ("process", 2)):
         data, _ = parquet.build(config(skewed, batch_size=4, reader_pool_type=pool, workers_count=workers), env(), 5)
         runs[(pool, workers)] = torch.cat([y for _, y in epoch(data, 2)]).tolist()
     assert len({tuple(r) for r in runs.values()}) == 1
@@ -147,7 +149,9 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
     for name, overrides in (("scalar_field", ["num_points=1000", "num_test=200"]), ("digits", [])):
         x, y = build_splits(name, overrides)["train"]
         write_parquet(x, y, tmp_path / name, rows_per_group=100)
-        cfg = config(tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False)
+        cfg = config(
+            tmp_path / name, batch_size=32, shuffle_rows=False, shuffle_row_groups=False, canonical_partitions=1
+        )
         parquet_batches = epoch(parquet.build(cfg, env(), seed=0)[0], 0)
         option = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / f"{name}.yaml")
         dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))
@@ -233,3 +237,44 @@ def _ranks_agree_and_refuse_different_data(rank: int, world: int, paths: list[st
 def test_real_ranks_run_in_lockstep_and_refuse_to_plan_from_different_files(tmp_path: Path, skewed: Path) -> None:
     other = write_row_groups(tmp_path / "other", [[500, 30]])
     run_on_ranks(_ranks_agree_and_refuse_different_data, 3, [str(skewed), str(other)])
+
+
+def test_a_resume_at_another_global_batch_continues_every_partition_from_the_row_it_reached(
+    tmp_path: Path, skewed: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from tests.helpers.inprocess import train_in_process
+    from tests.helpers.record_rows import read_batches
+
+    record = tmp_path / "rows"
+    record.mkdir()
+    args = [
+        "data=petastorm",
+        f"data.path={skewed}",
+        "trainer.max_epochs=1",
+        "trainer.seed=3",
+        f"trainer.step_fn={{_target_: record_rows.record_step, _partial_: true, out_dir: '{record}'}}",
+    ]
+    # 5 steps of G = 64 on one rank (C = auto = 8: 8 rows of each partition a step), then G = 32.
+    first = train_in_process([*args, "data.batch_size=64", "trainer.max_steps=5"], tmp_path / "run")
+    assert first["global_step"] == 5
+    capfd.readouterr()
+    resumed = train_in_process([*args, "data.batch_size=32"], tmp_path / "run")
+    said = capfd.readouterr().out
+    order = EpochOrder(SKEWED, 3, 0, True, True)
+    labels = stored_labels(skewed)
+    starts = np.concatenate([[0], np.cumsum(SKEWED)])
+
+    def ids(plan: Partitions, c: int) -> list[int]:
+        return [int(labels[starts[s.piece] + r]) for s in plan.rows(c) for r in s.rows]
+
+    before, after = Partitions(order, 8, 8, pad=False), Partitions(order, 8, 4, pad=False)
+    batches = read_batches(record, "train", 0)
+    used = 5 * 8  # rows of every partition
+    remaining = (after.rows_per_partition - used) // 4
+    assert resumed["global_step"] == 5 + remaining and len(batches) == 5 + remaining
+    for t, batch in enumerate(batches):
+        plan, b, offset = (before, 8, 0) if t < 5 else (after, 4, used - 5 * 4)
+        assert batch == [i for c in range(8) for i in ids(plan, c)[offset + t * b : offset + (t + 1) * b]], t
+    notes = [line for line in said.splitlines() if "global batch changed" in line]
+    assert len(notes) == 1 and "(64 -> 32) in the middle of epoch 1" in notes[0], said
+    assert "seen twice" not in said

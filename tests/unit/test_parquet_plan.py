@@ -10,13 +10,17 @@ import pytest
 
 from dtf.data.parquet.plan import (
     EpochOrder,
+    Partitions,
     Segment,
+    auto_partitions,
     batches_per_rank,
     eval_share,
+    partitions_problem,
     remainder_rows,
     share_bounds,
     skip_rows,
     train_share,
+    world_sizes_for,
 )
 
 SKEWED = [1000, 10, 10, 1]
@@ -131,3 +135,131 @@ def test_no_segment_names_an_empty_row_group(epoch: int) -> None:
                 assert all(len(s) > 0 for s in train_share(order, world, rank, 4, pad))
         for rank in range(world):
             assert all(len(s) > 0 for s in eval_share(piece_rows, world, rank)[0])
+
+
+# --- Canonical partitions: a global step's rows do not depend on the world size ------------------
+
+C12 = 12
+PARTITIONED = [300, 7, 50, 1, 0, 90, 33]  # skewed, an empty row group, 481 rows
+
+
+def partitions(piece_rows: list[int], global_batch: int, pad: bool, epoch: int = 0, c: int = C12) -> Partitions:
+    order = EpochOrder(piece_rows, seed=5, epoch=epoch, shuffle_row_groups=True, shuffle_rows=True)
+    return Partitions(order, c, global_batch // c, pad)
+
+
+def global_steps(plan: Partitions, world: int, piece_rows: list[int], start_row: int = 0) -> list[list[int]]:
+    """Per step, the global batch as the ranks' batches laid end to end in rank order (row ids)."""
+    per_rank = [plan.rank_steps(world, rank, start_row) for rank in range(world)]
+    assert len({len(steps) for steps in per_rank}) == 1  # every rank takes the same number of steps
+    out = []
+    for t in range(len(per_rank[0])):
+        batch: list[int] = []
+        for rank in range(world):
+            rows = [i for part in per_rank[rank][t] for i in row_ids(part, piece_rows)]
+            assert len(rows) == plan.rows_per_step * C12 // world  # data.batch_size = G / N
+            batch += rows
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("global_batch", [12, 48, 96])
+def test_every_world_size_dividing_c_trains_on_the_same_global_steps(pad: bool, global_batch: int) -> None:
+    n = sum(PARTITIONED)
+    for epoch in (0, 1):
+        plan = partitions(PARTITIONED, global_batch, pad, epoch)
+        reference = global_steps(plan, 1, PARTITIONED)
+        assert len(reference) == batches_per_rank(n, 1, global_batch, pad) == plan.num_steps
+        for world in (2, 3, 4, 6, 12):
+            assert global_steps(plan, world, PARTITIONED) == reference, (world, epoch)
+        # The step's rows: b rows from every partition (not a contiguous run of the epoch's sequence).
+        assert reference[0] == [
+            i for c in range(C12) for i in row_ids(plan.rows(c), PARTITIONED)[: global_batch // C12]
+        ]
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_partitions_are_cut_or_padded_to_one_length_and_drop_or_repeat_the_promised_rows(pad: bool) -> None:
+    n, global_batch = sum(PARTITIONED), 48
+    plan = partitions(PARTITIONED, global_batch, pad)
+    b = global_batch // C12
+    per_partition = [row_ids(plan.rows(c), PARTITIONED) for c in range(C12)]
+    assert {len(p) for p in per_partition} == {plan.rows_per_partition}
+    assert plan.rows_per_partition == batches_per_rank(n, C12, b, pad) * b
+    bounds = [share_bounds(n, C12, c) for c in range(C12)]
+    assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
+    counts = Counter(i for p in per_partition for i in p)
+    if pad:
+        assert set(counts) == set(range(n))
+        # the same count as the even-batch plan between ranks gives: per rank, or per partition
+        repeated = sum(counts.values()) - n
+        assert repeated == remainder_rows(n, C12, b, pad=True) == remainder_rows(n, 4, global_batch // 4, pad=True)
+        for c, p in enumerate(per_partition):  # a partition's padding repeats its own first rows
+            lo, hi = bounds[c]
+            assert p[hi - lo :] == p[: len(p) - (hi - lo)]
+    else:
+        assert max(counts.values()) == 1
+        dropped = n - len(counts)
+        assert dropped == remainder_rows(n, C12, b, pad=False) == remainder_rows(n, 4, global_batch // 4, pad=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
+@pytest.mark.parametrize("start_step", [0, 1, 3, 9])
+def test_a_resume_at_a_step_reads_exactly_the_rest_of_the_epoch(world: int, start_step: int) -> None:
+    plan = partitions(PARTITIONED, 48, pad=True)
+    b = plan.rows_per_step
+    whole = global_steps(plan, 1, PARTITIONED)
+    assert global_steps(plan, world, PARTITIONED, start_row=start_step * b) == whole[start_step:]
+
+
+def test_a_resume_at_another_global_batch_continues_every_partition_from_its_row() -> None:
+    # 3 steps of G=48 on 2 ranks (12 rows of each partition used), resumed at G=24 on 4 ranks:
+    # each partition goes on from its row 12, b=2 rows a step.
+    before, after = partitions(PARTITIONED, 48, pad=False), partitions(PARTITIONED, 24, pad=False)
+    used = 3 * before.rows_per_step
+    rest = global_steps(after, 4, PARTITIONED, start_row=used)
+    assert len(rest) == (after.rows_per_partition - used) // after.rows_per_step
+    for c in range(C12):
+        mine = [i for step in rest for i in step[c * 2 : c * 2 + 2]]
+        whole = row_ids(after.rows(c), PARTITIONED)
+        assert mine == whole[used : used + len(mine)]
+        assert row_ids(before.rows(c), PARTITIONED)[:used] == whole[:used]  # the same partition sequence
+
+
+def test_no_step_names_an_empty_row_group_and_ranks_read_only_their_partitions() -> None:
+    piece_rows = [40, 0, 25, 0, 10, 0, 300]
+    for epoch in range(4):
+        plan = partitions(piece_rows, 24, pad=True, epoch=epoch)
+        for world in (1, 2, 4):
+            mine: list[set[int]] = []
+            for rank in range(world):
+                steps = plan.rank_steps(world, rank)
+                assert all(len(s) > 0 for step in steps for part in step for s in part)
+                mine.append({s.piece for step in steps for part in step for s in part})
+                owned = {s.piece for c in plan.owned(world, rank) for s in plan.rows(c)}
+                assert mine[-1] == owned
+
+
+def test_auto_partitions_divide_the_global_batch_and_take_every_world_size_dividing_24() -> None:
+    assert auto_partitions(64, 2) == 8 and auto_partitions(96, 4) == 24 and auto_partitions(16, 1) == 8
+    assert auto_partitions(160, 5) == 40  # 5 ranks: divisible by 5, not refused
+    for world in range(1, 13):
+        for batch in (1, 3, 8, 32, 50):
+            g = world * batch
+            c = auto_partitions(g, world)
+            assert partitions_problem(c, world, g) is None, (world, batch)
+            assert all(
+                partitions_problem(c, n, g) is None
+                for n in (1, 2, 3, 4, 6, 8, 12)
+                if g % n == 0 and 24 % n == 0 and c % n == 0
+            )
+    assert world_sizes_for(8, 64) == [1, 2, 4, 8]
+
+
+def test_partitions_problem_names_both_numbers() -> None:
+    assert partitions_problem(8, 3, 48) == "the world size 3 does not divide data.canonical_partitions=8"
+    assert partitions_problem(12, 4, 40) == (
+        "data.canonical_partitions=12 does not divide the global batch 40 (world size x data.batch_size)"
+    )
+    assert partitions_problem(12, 4, 48) is None

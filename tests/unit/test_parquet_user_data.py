@@ -79,7 +79,8 @@ def spark_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def in_order(path: Path | str, **settings: Any) -> PetastormDataConfig:
-    return config(path, shuffle_rows=False, shuffle_row_groups=False, **settings)
+    # One canonical partition: its steps are the stored rows in order (more take rows from C places).
+    return config(path, shuffle_rows=False, shuffle_row_groups=False, canonical_partitions=1, **settings)
 
 
 def all_batches(cfg: PetastormDataConfig) -> tuple[torch.Tensor, torch.Tensor]:

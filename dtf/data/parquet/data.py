@@ -1,8 +1,9 @@
 """`data=petastorm`: Parquet or a Petastorm dataset as train and test batches, equal in number on every rank.
 
-Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet.plan),
-reads the row groups its share touches through Petastorm (dtf.data.parquet.reader) and
-cuts them into (features, labels) batches, the shape the default training step expects.
+Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet.plan): the
+epoch's canonical partitions it owns. It reads the row groups they touch through Petastorm
+(dtf.data.parquet.reader) and makes every step's (features, labels) batch, the shape the default
+training step expects, from the next rows of each of its partitions.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from omegaconf import ListConfig
 from dtf.config.schema import PetastormDataConfig
 from dtf.data.parquet.plan import (
     EpochOrder,
+    Partitions,
     Segment,
     batches_per_rank,
+    choose_partitions,
     eval_share,
     remainder_rows,
-    skip_rows,
-    train_share,
 )
-from dtf.data.parquet.reader import Columns, ReaderOptions, read_segments
+from dtf.data.parquet.reader import Columns, ReaderOptions, assemble, read_segments, read_steps
 from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -149,16 +150,29 @@ class _Stream:
     def batches(self, segments: Sequence[Segment], batch_size: int, keep_last_partial: bool) -> Iterator[Batch]:
         rows = read_segments(self.source, segments, self.layout.columns, self.reader)
         chunks = (self.layout.arrays(cols) for cols in rows)
-        dtype = self.layout.feature_dtype
         for x, y in cut_batches(chunks, batch_size, keep_last_partial):
-            if x.dtype != dtype:  # bfloat16: no numpy dtype to cast to on the way
-                x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
-            yield self.transform((x, y)) if self.transform is not None else (x, y)
+            yield self._finish(x, y)
+
+    def _finish(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
+        if x.dtype != self.layout.feature_dtype:  # bfloat16: no numpy dtype to cast to on the way
+            dtype = self.layout.feature_dtype
+            x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
+        return self.transform((x, y)) if self.transform is not None else (x, y)
+
+    def step_batches(self, steps: Sequence[Sequence[Sequence[Segment]]]) -> Iterator[Batch]:
+        """One batch per step: the step's rows of every partition, concatenated in partition order."""
+        for parts in read_steps(self.source, steps, self.layout.columns, self.reader):
+            x, y = self.layout.arrays(assemble(parts))
+            yield self._finish(torch.from_numpy(x), torch.from_numpy(y))
 
 
 @dataclass
 class ParquetTrainData:
-    """One epoch of this rank's batches; len() (a whole epoch) is identical on every rank."""
+    """One epoch of this rank's batches; len() (a whole epoch) is identical on every rank.
+
+    The epoch is cut into num_partitions canonical partitions (dtf.data.parquet.plan.Partitions);
+    every batch takes rows_per_step rows from each partition this rank owns. The global sequence
+    of steps depends on the global batch and num_partitions, never on the world size."""
 
     stream: _Stream
     rank: int
@@ -168,11 +182,24 @@ class ParquetTrainData:
     shuffle_row_groups: bool
     shuffle_rows: bool
     pad: bool
+    num_partitions: int
     epoch: int = 0
     start_batch: int = 0
-    # Each rank reads a contiguous share of the epoch, so the rows consumed mid-epoch are not a
-    # prefix of one global order: on another world size that epoch's position is approximate.
-    position_survives_world_size_change = False
+    # A resume that continues the epoch from a row that is not on this global batch's grid (the
+    # global batch changed): (epoch, its start batch, rows of every partition used before it).
+    resume_row: tuple[int, int, int] | None = None
+    # The rows consumed mid-epoch are the first samples_in_epoch / C rows of every partition,
+    # whatever the world size: a resume on another one continues the same sequence.
+    position_survives_world_size_change = True
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def rows_per_step(self) -> int:
+        """b: the rows every batch takes from every partition."""
+        return self.global_batch // self.num_partitions
 
     def __len__(self) -> int:
         return batches_per_rank(self.num_samples, self.world_size, self.batch_size, self.pad)
@@ -195,19 +222,43 @@ class ParquetTrainData:
         """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
         self.epoch, self.start_batch = epoch, start_batch
 
-    def samples_after(self, num_batches: int) -> int:
-        return num_batches * self.batch_size * self.world_size  # every batch is full
+    def seek(self, epoch: int, samples_in_epoch: int) -> int:
+        """The batch to start epoch `epoch` at, so that every partition continues from its row
+        samples_in_epoch / C, the row it had reached (also when the global batch changed since:
+        then the batches of the rest of the epoch start there). Applies to the next set_epoch."""
+        used = samples_in_epoch // self.num_partitions
+        b = self.rows_per_step
+        remaining = max(0, self.partitions().rows_per_partition - used) // b
+        start = len(self) - remaining
+        self.resume_row = (epoch, start, used) if used != start * b else None
+        return start
 
-    def segments(self) -> list[Segment]:
-        """This rank's rows for the current epoch from start_batch on: a pure function of the settings."""
+    @property
+    def _grid(self) -> tuple[int, int]:
+        """(batch index, rows of every partition used before it) the current epoch's batches count from."""
+        if self.resume_row is not None and self.resume_row[:2] == (self.epoch, self.start_batch):
+            return self.resume_row[1], self.resume_row[2]
+        return 0, 0
+
+    def samples_after(self, num_batches: int) -> int:
+        """Rows used by the epoch's first num_batches batches, over all ranks (every batch is full)."""
+        first, used = self._grid
+        return (used + (num_batches - first) * self.rows_per_step) * self.num_partitions
+
+    def partitions(self) -> Partitions:
         order = EpochOrder(
             self.stream.source.piece_rows, self.seed, self.epoch, self.shuffle_row_groups, self.shuffle_rows
         )
-        share = train_share(order, self.world_size, self.rank, self.batch_size, self.pad)
-        return skip_rows(share, self.start_batch * self.batch_size)
+        return Partitions(order, self.num_partitions, self.rows_per_step, self.pad)
+
+    def steps(self) -> list[list[list[Segment]]]:
+        """This rank's rows for the current epoch from start_batch on, per batch and partition: a
+        pure function of the settings."""
+        start_row = self.samples_after(self.start_batch) // self.num_partitions
+        return self.partitions().rank_steps(self.world_size, self.rank, start_row)
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.stream.batches(self.segments(), self.batch_size, keep_last_partial=False)
+        return self.stream.step_batches(self.steps())
 
     def describe(self) -> str:
         if self.pad:
@@ -215,7 +266,10 @@ class ParquetTrainData:
         else:
             rest = f"{self.num_dropped_per_epoch} rows dropped per epoch (data.remainder=drop)"
         kind = "make_reader" if self.stream.reader.row_reader else "make_batch_reader"
-        return f"{self.stream.source.describe()} via petastorm {kind}, {len(self)} batches per rank per epoch, {rest}"
+        return (
+            f"{self.stream.source.describe()} via petastorm {kind}, {len(self)} batches per rank per epoch, {rest}, "
+            f"{self.num_partitions} canonical partitions"
+        )
 
 
 @dataclass
@@ -274,7 +328,10 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
         )
 
 
-def build(cfg: PetastormDataConfig, env: DistEnv, seed: int) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+def build(
+    cfg: PetastormDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
+) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+    """recorded_partitions: data.canonical_partitions as the checkpoint a resumed run starts from recorded it."""
     source, test = open_sources(cfg, env.world_size)
     _check_same_everywhere(f"{source.fingerprint()}; test: {test.fingerprint() if test else None}", env)
     features = list(cfg.feature_columns)
@@ -304,6 +361,7 @@ def build(cfg: PetastormDataConfig, env: DistEnv, seed: int) -> tuple[ParquetTra
         shuffle_row_groups=cfg.shuffle_row_groups,
         shuffle_rows=cfg.shuffle_rows,
         pad=_value(cfg.remainder) == "pad",
+        num_partitions=choose_partitions(cfg.canonical_partitions, recorded_partitions, env.world_size, cfg.batch_size),
     )
     if test is None:
         return train, None

@@ -3,20 +3,26 @@
 Petastorm shards by whole row groups, so skewed row groups give ranks different numbers
 of batches and DDP hangs. Here every rank computes the same plan from the Parquet
 metadata: a seeded order of the row groups (and of the rows inside each), cut into
-world_size contiguous shares of the global row sequence whose sizes differ by at most one
-row (a row group may be split between ranks). Each share is then trimmed to, or padded up
-to, the same whole number of batches. A plan is a pure function of (row-group sizes, seed,
-epoch, rank, world size, batch size), so a run resumed mid-epoch reads exactly the rows
-an uninterrupted run would have read.
+C canonical partitions, contiguous shares of the global row sequence whose sizes differ by
+at most one row (a row group may be split between partitions). Each partition is then
+trimmed to, or padded up to, the same whole number of steps of b = G / C rows (G: the global
+batch). Every step takes b rows from every partition; rank r of N owns the partitions
+[r C / N, (r + 1) C / N) and its batch is their b-row pieces, concatenated. So the rows of a
+global step depend on (row-group sizes, seed, epoch, C, G) and never on N: 1, 2, 3, 4, 6 or 12
+ranks at one G with C = 12 train on the same batches (MosaicML Streaming's canonical nodes).
+A run resumed mid-epoch reads exactly the rows an uninterrupted run would have read, on any
+world size that divides C.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from dtf.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,110 @@ def train_share(order: EpochOrder, world_size: int, rank: int, batch_size: int, 
     missing = target - (stop - start)
     assert missing <= stop - start, "padding needs at least world_size * batch_size rows"
     return order.segments(start, stop) + order.segments(start, start + missing)
+
+
+# auto partitions: a divisor of the global batch that every world size dividing 24 (1, 2, 3, 4,
+# 6, 8, 12, 24) also divides, where the global batch allows it.
+AUTO_PARTITIONS_BASE = 24
+
+
+def auto_partitions(global_batch: int, world_size: int) -> int:
+    """data.canonical_partitions=auto on a fresh run: gcd(G, lcm(N, 24)).
+
+    It divides G (whole steps from every partition), the world size divides it (N divides G and
+    lcm(N, 24)), and so does every other world size that divides both G and 24: a resume on
+    those at the same G continues the same sequence. (gcd(G, 24) alone would refuse a fresh run
+    on, say, 5 ranks.)"""
+    return math.gcd(global_batch, math.lcm(world_size, AUTO_PARTITIONS_BASE))
+
+
+def partitions_problem(num_partitions: int, world_size: int, global_batch: int) -> str | None:
+    """Why C partitions cannot feed N ranks at a global batch G (None: they can)."""
+    if num_partitions % world_size:
+        return f"the world size {world_size} does not divide data.canonical_partitions={num_partitions}"
+    if global_batch % num_partitions:
+        return (
+            f"data.canonical_partitions={num_partitions} does not divide the global batch "
+            f"{global_batch} (world size x data.batch_size)"
+        )
+    return None
+
+
+def world_sizes_for(num_partitions: int, global_batch: int) -> list[int]:
+    """The world sizes that C partitions can feed at one global batch: the divisors of C."""
+    return [n for n in range(1, num_partitions + 1) if num_partitions % n == 0 and global_batch % n == 0]
+
+
+def choose_partitions(setting: int | str, recorded: int | None, world_size: int, batch_size: int) -> int:
+    """data.canonical_partitions: a number as given; auto: the checkpoint's (a resumed run keeps
+    its sequence), else auto_partitions(G, N). UserError when the world size or G does not fit it."""
+    global_batch = world_size * batch_size
+    if setting != "auto":
+        chosen, why = int(setting), f"data.canonical_partitions={setting}"
+    elif recorded is not None:
+        chosen, why = recorded, f"the run's checkpoint recorded data.canonical_partitions={recorded}"
+    else:
+        return auto_partitions(global_batch, world_size)
+    problem = partitions_problem(chosen, world_size, global_batch)
+    if problem is None:
+        return chosen
+    sizes = ", ".join(map(str, world_sizes_for(chosen, chosen)))
+    fits = f"a world size that divides {chosen} ({sizes}) and a global batch that {chosen} divides"
+    if setting == "auto":
+        raise UserError(f"{problem} ({why}): resume on {fits}, or start afresh with checkpoint.resume=never")
+    raise UserError(f"{problem}: use {fits}, or data.canonical_partitions=auto")
+
+
+def take_rows(segments: Sequence[Segment], size: int) -> Iterator[list[Segment]]:
+    """Consecutive pieces of size rows each (the segments cut where needed); a short tail is left out."""
+    piece: list[Segment] = []
+    have = 0
+    for seg in segments:
+        i = 0
+        while i < len(seg):
+            take = min(size - have, len(seg) - i)
+            piece.append(Segment(seg.piece, seg.rows[i : i + take]) if (i, take) != (0, len(seg)) else seg)
+            have += take
+            i += take
+            if have == size:
+                yield piece
+                piece, have = [], 0
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """One epoch cut into num_partitions canonical partitions, each the same number of steps long."""
+
+    order: EpochOrder
+    num_partitions: int
+    rows_per_step: int  # b = G / C: the rows every step takes from every partition
+    pad: bool
+
+    @property
+    def num_steps(self) -> int:
+        """Steps per epoch: the even-batch rule between ranks of today, applied to partitions."""
+        return batches_per_rank(self.order.num_rows, self.num_partitions, self.rows_per_step, self.pad)
+
+    @property
+    def rows_per_partition(self) -> int:
+        return self.num_steps * self.rows_per_step
+
+    def rows(self, partition: int) -> list[Segment]:
+        """The partition's rows of the epoch: its share, cut to or padded up (with its own first
+        rows) to rows_per_partition."""
+        return train_share(self.order, self.num_partitions, partition, self.rows_per_step, self.pad)
+
+    def owned(self, world_size: int, rank: int) -> range:
+        per_rank = self.num_partitions // world_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
+    def rank_steps(self, world_size: int, rank: int, start_row: int = 0) -> list[list[list[Segment]]]:
+        """This rank's steps from start_row of every partition on: per step, per owned partition,
+        the segments of its b rows (a rank's batch is their concatenation, in this order)."""
+        streams = [
+            take_rows(skip_rows(self.rows(c), start_row), self.rows_per_step) for c in self.owned(world_size, rank)
+        ]
+        return [list(step) for step in zip(*streams, strict=True)]
 
 
 def eval_share(piece_rows: Sequence[int], world_size: int, rank: int) -> tuple[list[Segment], int]:

@@ -13,7 +13,6 @@ fields dtf found in all files.
 from __future__ import annotations
 
 import re
-from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,9 @@ Columns = dict[str, np.ndarray]
 
 # Row groups handed to the pool beyond one per worker (as Petastorm's Reader does).
 _VENTILATE_EXTRA = 2
+# How often the ventilator looks whether it may hand out the next row group (Petastorm's: 10 ms,
+# a pause the workers sit idle through whenever the read-ahead was full).
+_VENTILATION_INTERVAL_S = 0.002
 
 
 class WorkerReadError(Exception):
@@ -144,7 +146,12 @@ def _make_pool(opts: ReaderOptions) -> Any:
 
 
 def _start(
-    pool: Any, source: ParquetSource, pieces: Sequence[int], columns: Sequence[str], opts: ReaderOptions
+    pool: Any,
+    source: ParquetSource,
+    pieces: Sequence[int],
+    columns: Sequence[str],
+    opts: ReaderOptions,
+    num_streams: int = 1,
 ) -> None:
     """What Petastorm's Reader does to start reading, with dtf's fields, row groups and order."""
     fs, path = resolve(source.url, opts.storage_options)
@@ -162,7 +169,10 @@ def _start(
         pool.ventilate,
         items,
         iterations=1,
-        max_ventilation_queue_size=pool.workers_count + _VENTILATE_EXTRA,
+        # num_streams partitions read in lockstep tend to need their next row groups at the same
+        # step: room for one each ahead, or the workers would wait for the consumer between them.
+        max_ventilation_queue_size=pool.workers_count + _VENTILATE_EXTRA + num_streams - 1,
+        ventilation_interval=_VENTILATION_INTERVAL_S,
         randomize_item_order=False,  # the plan already ordered them
     )
     worker: type = _TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker
@@ -178,26 +188,129 @@ def read_segments(
     source: ParquetSource, segments: Sequence[Segment], columns: Sequence[str], opts: ReaderOptions
 ) -> Iterator[Columns]:
     """The rows of each segment, in order, as one numpy array per column (dim 0: rows)."""
-    segments = [s for s in segments if len(s)]  # Petastorm publishes nothing for a row group without rows
-    if not segments:
+    for step in read_steps(source, [[[s]] for s in segments], columns, opts):
+        yield assemble(step)
+
+
+# Where a segment's rows are: arrays (one per column) and the segment's rows in them (indices, or a slice).
+Part = tuple[Columns, "np.ndarray | slice"]
+
+
+def read_steps(
+    source: ParquetSource, steps: Sequence[Sequence[Sequence[Segment]]], columns: Sequence[str], opts: ReaderOptions
+) -> Iterator[list[Part]]:
+    """Per step, where the rows of its segments are (per partition, a few segments each), in
+    order; assemble() makes them one batch, copying each row once.
+
+    Several partition streams are served by one pool: every row group is read once, in the
+    order it is first needed. When it arrives, the run of rows it gives the partition that
+    needs it first is gathered from it step by step (the row group is held until then); the
+    runs it gives later (the tail of a partition whose next one starts in it, padding) are
+    gathered out of it at once, so that it can be let go. So a rank holds about one row group
+    per partition it reads, plus what the pool has read ahead, and a row group that two
+    partitions share, or that padding repeats, is not read twice.
+    """
+    flat: list[Segment] = []
+    # row group -> runs of its segments (the flat indices of consecutive rows of one partition's
+    # stream), in the order of first use.
+    runs: dict[int, dict[tuple[int, int], list[int]]] = {}
+    last: dict[int, tuple[int, int]] = {}  # partition (its place in a step) -> (row group, run number)
+    for step in steps:
+        for k, part in enumerate(step):
+            for seg in part:
+                if not len(seg):
+                    continue
+                piece, run = last.get(k, (-1, -1))
+                if piece != seg.piece:
+                    last[k] = piece, run = seg.piece, run + 1
+                runs.setdefault(seg.piece, {}).setdefault((k, run), []).append(len(flat))
+                flat.append(seg)
+    if not flat:  # Petastorm publishes nothing for a row group without rows
         return
     quiet_petastorm()
     pool = _make_pool(opts)
-    _start(pool, source, [s.piece for s in segments], columns, opts)
-    pending: defaultdict[int, deque[Any]] = defaultdict(deque)
+    _start(pool, source, list(runs), columns, opts, num_streams=max(len(step) for step in steps))
+    arrived: dict[int, Any] = {}  # read ahead of their turn
+    ready: dict[int, Part] = {}  # index in flat -> where its rows are
+    i = 0
     try:
-        for seg in segments:
-            arrived = pending[seg.piece]
-            while not arrived:
-                piece, payload = _next_result(pool, source, seg.piece)
-                if isinstance(payload, WorkerReadError):
-                    raise UserError(f"{source.key}={source.url}: {payload}")
-                pending[piece].append(payload)
-            payload = arrived.popleft()
-            yield (_rows_to_columns if opts.row_reader else _table_to_columns)(payload, seg.rows, columns)
+        for step in steps:
+            out = []
+            for part in step:
+                for seg in part:
+                    if not len(seg):
+                        continue
+                    if i not in ready:
+                        while seg.piece not in arrived:
+                            piece, payload = _next_result(pool, source, seg.piece)
+                            if isinstance(payload, WorkerReadError):
+                                raise UserError(f"{source.key}={source.url}: {payload}")
+                            arrived[piece] = payload
+                        _place(arrived.pop(seg.piece), list(runs.pop(seg.piece).values()), flat, ready, columns, opts)
+                    out.append(ready.pop(i))
+                    i += 1
+            yield out
     finally:
         pool.stop()
         pool.join()
+
+
+def _place(
+    payload: Any,
+    runs: list[list[int]],
+    flat: Sequence[Segment],
+    ready: dict[int, Part],
+    columns: Sequence[str],
+    opts: ReaderOptions,
+) -> None:
+    """Where the rows of one row group's runs are: the first run in the row group itself (as zero-copy
+    arrays), later ones gathered out of it now (the row reader's decoded rows: every run)."""
+    whole = (
+        None
+        if opts.row_reader
+        else {name: arrow_to_numpy(payload.column(name), name) for name in dict.fromkeys(columns)}
+    )
+    for n, run in enumerate(runs):
+        if n == 0 and whole is not None:
+            for j in run:
+                rows = flat[j].rows
+                ready[j] = (whole, slice(int(rows[0]), int(rows[0]) + len(rows)) if _is_range(rows) else rows)
+            continue
+        rows = np.concatenate([flat[j].rows for j in run])
+        block = _rows_to_columns(payload, rows, columns) if whole is None else _take(whole, rows)
+        start = 0
+        for j in run:
+            ready[j] = (block, slice(start, start + len(flat[j])))
+            start += len(flat[j])
+
+
+def assemble(parts: Sequence[Part]) -> Columns:
+    """The rows of parts, in order, as one array per column: each row copied once (one part's
+    contiguous rows: a view)."""
+    if len(parts) == 1:
+        source, rows = parts[0]
+        return {name: values[rows] for name, values in source.items()}
+    total = sum(_count(rows) for _, rows in parts)
+    out = {}
+    for name in parts[0][0]:
+        dtype = np.result_type(*(source[name].dtype for source, _ in parts))
+        first = parts[0][0][name]
+        buffer = np.empty((total, *first.shape[1:]), dtype=dtype)
+        start = 0
+        for source, rows in parts:
+            stop = start + _count(rows)
+            values = source[name]
+            if isinstance(rows, slice) or values.dtype != dtype:
+                buffer[start:stop] = values[rows]
+            else:
+                values.take(rows, axis=0, out=buffer[start:stop], mode="clip")  # clip: unbuffered
+            start = stop
+        out[name] = buffer
+    return out
+
+
+def _count(rows: np.ndarray | slice) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
 def _next_result(pool: Any, source: ParquetSource, waiting_for: int) -> tuple[int, Any]:
@@ -219,14 +332,12 @@ def _is_range(rows: np.ndarray) -> bool:
     return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
 
 
-def _table_to_columns(table: Any, rows: np.ndarray, columns: Sequence[str]) -> Columns:
+def _take(whole: Columns, rows: np.ndarray) -> Columns:
     # Whole columns as zero-copy views, then one numpy gather (or a view, for a contiguous run
     # of rows): cheaper than Arrow's take on list columns followed by a copy out of Arrow.
-    out = {}
-    for name in columns:
-        values = arrow_to_numpy(table.column(name), name)
-        out[name] = values[int(rows[0]) : int(rows[0]) + len(rows)] if _is_range(rows) else values[rows]
-    return out
+    if _is_range(rows):
+        return {name: values[int(rows[0]) : int(rows[0]) + len(rows)] for name, values in whole.items()}
+    return {name: values[rows] for name, values in whole.items()}
 
 
 def arrow_to_numpy(column: Any, name: str) -> np.ndarray:

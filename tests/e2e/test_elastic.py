@@ -1,0 +1,110 @@
+"""Elastic determinism through `python -m dtf`: at one global batch (SGD, no LR scaling), 1, 2
+and 4 ranks end at the same parameters, and a 2-rank run resumed mid-epoch on 4 ranks ends where
+the straight 2-rank run ends; for in-memory data, plain Parquet written by pyarrow (skewed row
+groups, make_batch_reader) and a Petastorm dataset written by Spark (make_reader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DtfRun, run_dtf
+from tests.helpers import user_datasets
+from tests.helpers.inprocess import train_in_process
+
+G = 64  # the global batch: data.batch_size = G / world size
+K = 40  # a checkpoint in the middle of epoch 2 (31 steps per epoch: 2000 rows)
+COMMON = [
+    "optimizer=sgd",
+    "optimizer.lr=0.05",
+    "trainer.lr_scaling=none",
+    "trainer.max_epochs=2",
+    "trainer.seed=0",
+    f"checkpoint.every_n_steps={K}",
+]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data_args(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    base = tmp_path_factory.getbasetemp() / "user_datasets"
+    parquet = user_datasets.write_field_parquet(tmp_path_factory.mktemp("field") / "parquet")
+    return {
+        "memory": ["data.dataset.num_points=2400", "data.dataset.num_test=400"],
+        "parquet": ["data=petastorm", f"data.path={parquet}"],
+        "petastorm": ["data=petastorm", f"data.path={user_datasets.field_petastorm(base)}"],
+    }
+
+
+def ok(run: DtfRun) -> DtfRun:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def on(world: int) -> list[str]:
+    return [f"launcher.nproc={world}", f"data.batch_size={G // world}"]
+
+
+def max_difference(a: DtfRun, b: DtfRun) -> float:
+    pa = torch.load(a.run_dir / "model.pt", weights_only=True)
+    pb = torch.load(b.run_dir / "model.pt", weights_only=True)
+    assert pa.keys() == pb.keys()
+    return max(float((pa[k] - pb[k]).abs().max()) for k in pa)
+
+
+@pytest.mark.parametrize("path", ["memory", "parquet", "petastorm"])
+def test_1_2_and_4_ranks_and_a_2_rank_run_resumed_on_4_end_at_the_same_parameters(
+    tmp_path: Path, data_args: dict[str, list[str]], path: str
+) -> None:
+    args = [*COMMON, *data_args[path]]
+    runs = {world: ok(run_dtf([*args, *on(world)], tmp_path / f"ranks{world}")) for world in (1, 2, 4)}
+    checkpoint = runs[2].run_dir / "checkpoints" / f"step_{K:09d}"
+    resumed = ok(run_dtf([*args, *on(4), f"checkpoint.resume={checkpoint}"], tmp_path / "resumed"))
+    steps = runs[1].summary["global_step"]
+    assert K < steps < 2 * K  # K is in the middle of epoch 2
+    for world, run in runs.items():
+        assert run.summary["world_size"] == world and run.summary["global_step"] == steps
+        if path != "memory":
+            assert "via petastorm " + ("make_reader" if path == "petastorm" else "make_batch_reader") in run.stdout
+            assert "8 canonical partitions" in run.stdout  # auto: gcd(64, 24)
+    s = resumed.summary
+    assert s["resumed_from_step"] == K and s["world_size"] == 4 and s["global_step"] == steps
+    assert "world size changed (2 -> 4)" in resumed.stdout
+    assert "seen twice" not in resumed.stdout and "not at all" not in resumed.stdout  # the position is exact
+    differences = {
+        "1 vs 2 ranks": max_difference(runs[1], runs[2]),
+        "4 vs 2 ranks": max_difference(runs[4], runs[2]),
+        "2 -> 4 resumed vs 2 ranks": max_difference(resumed, runs[2]),
+    }
+    assert all(d <= TOLERANCE for d in differences.values()), differences
+    assert runs[2].summary["final_train_loss"] < runs[2].summary["train_loss_per_epoch"][0]  # it trained
+
+
+def test_a_world_size_that_does_not_divide_the_partitions_is_refused_in_one_line(
+    tmp_path: Path, data_args: dict[str, list[str]]
+) -> None:
+    args = [*COMMON, *data_args["parquet"]]
+    asked = run_dtf(
+        [*args, "launcher.nproc=3", "data.batch_size=16", "data.canonical_partitions=8"], tmp_path / "asked"
+    )
+    # A run's checkpoint recorded C = 8 (auto at G = 64, on 1 rank); its resume on 3 ranks cannot use it.
+    train_in_process([*args, "launcher.nproc=1", "data.batch_size=64", "trainer.max_steps=3"], tmp_path / "recorded")
+    recorded = run_dtf([*args, "launcher.nproc=3", "data.batch_size=16"], tmp_path / "recorded")
+    fix = "a world size that divides 8 (1, 2, 4, 8) and a global batch that 8 divides"
+    for run, line in (
+        (
+            asked,
+            f"the world size 3 does not divide data.canonical_partitions=8: use {fix}, "
+            "or data.canonical_partitions=auto",
+        ),
+        (
+            recorded,
+            "the world size 3 does not divide data.canonical_partitions=8 (the run's checkpoint recorded "
+            f"data.canonical_partitions=8): resume on {fix}, or start afresh with checkpoint.resume=never",
+        ),
+    ):
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert run.stderr.strip().splitlines() == [f"dtf: error: {line}"]
+        assert "rank(s), strategy=" not in run.stdout  # refused before any rank started
