@@ -25,8 +25,8 @@ lint: $(STAMP)
 	$(BIN)/mypy dtf hydra_plugins
 
 # Two pytest-xdist workers: most of a multi-process test's time is process start-up and waiting,
-# so two share the 2 cores well (tests/conftest.py keeps each file, and the cluster files, together).
-XDIST ?= -n 2 --dist loadgroup
+# so two share the 2 cores well (tests/conftest.py keeps each file, and the cluster files, in one worker).
+XDIST ?= -n 2 --dist loadfile
 
 test: lint
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

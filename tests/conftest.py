@@ -89,16 +89,29 @@ CLUSTER_FILES = {"test_slurm.py", "test_spark.py", "test_multinode.py", "test_hy
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that start real processes and clusters (tests/e2e, tests/dist) are slow by where they
-    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything.
-
-    `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay together in
-    one worker (its module fixtures, such as a straight run the others compare with, run once), and
-    the cluster files share one group."""
+    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything."""
     for item in items:
-        path = Path(str(item.fspath)).relative_to(REPO)
-        if {"e2e", "dist"} & set(path.parts):
+        if {"e2e", "dist"} & set(Path(str(item.fspath)).relative_to(REPO).parts):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group("clusters" if path.name in CLUSTER_FILES else str(path)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two pytest-xdist workers with --dist loadfile: a file's tests stay in one
+    worker (its module fixtures, such as a straight run the others compare with, run once), and
+    here the cluster files count as one file. (xdist_group markers would say the same, but
+    pytest-xdist 3.8 under pytest 9 does not group by them: it renames node ids, which pytest 9
+    no longer lets it do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndClusters(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "clusters" if Path(path).name in CLUSTER_FILES else path
+
+    return FilesAndClusters(config, log)
 
 
 # In-process tests import the helper modules the way a user's PYTHONPATH would expose them.
