@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import failures
@@ -97,6 +98,15 @@ class LocalLauncher(Launcher):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
                 results = elastic_launch(config, entrypoint)(cfg, run_dir)
+        except RendezvousConnectionError as e:
+            if nodes is None:
+                raise  # one node meets on a port the system picks: not the user's to fix
+            # The first node hosts the rendezvous on the port given; the others dial it.
+            cause = " ".join(str(e.__cause__ or e).split())
+            raise UserError(
+                f"launcher.rdzv_endpoint={nodes.endpoint}: the nodes cannot meet there ({cause}): give the "
+                "first node's address and a free port on it that every node reaches"
+            ) from None
         except ChildFailedError as e:
             if forwarding.received and died_of(e, forwarding.received):
                 # ranks still starting up die of the signal (their handler is not installed yet)

@@ -294,3 +294,26 @@ def test_runs_in_place_under_an_external_torchrun(dtf) -> None:  # type: ignore[
     assert spawned.returncode == 0, spawned.stderr[-3000:]
     assert external.summary["world_size"] == 2
     assert external.summary["params_sha256"] == spawned.summary["params_sha256"]
+
+
+def test_a_rendezvous_port_already_taken_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    # The first node of a multi-node run hosts the rendezvous on the port it was given: one taken by
+    # another program is bad input (another port), said in one line, not torch's traceback.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = dtf(
+            "launcher.nnodes=2",
+            "launcher.node_rank=0",
+            f"launcher.rdzv_endpoint=127.0.0.1:{port}",
+            "launcher.nproc=1",
+            timeout=120,
+        )
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr[-3000:]
+    assert lines[0].startswith(f"dtf: error: launcher.rdzv_endpoint=127.0.0.1:{port}: "), lines[0]
+    assert "address already in use" in lines[0] and "free port" in lines[0], lines[0]
