@@ -26,7 +26,7 @@ lint: $(STAMP)
 
 # Two pytest-xdist workers: most of a multi-process test's time is process start-up and waiting,
 # so two share the 2 cores well (tests/conftest.py keeps each file, and the cluster files, in one worker).
-XDIST ?= -n 2 --dist loadfile
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: lint
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

@@ -89,19 +89,29 @@ CLUSTER_FILES = {"test_slurm.py", "test_spark.py", "test_multinode.py", "test_hy
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that start real processes and clusters (tests/e2e, tests/dist) are slow by where they
-    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything."""
+    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything.
+
+    They also run first, the cluster files first of all (one long chain in one worker): with two
+    xdist workers the short in-process tests come last and fill whichever worker is free, instead
+    of one worker finishing a long file while the other waits."""
+
+    def slow(item: pytest.Item) -> bool:
+        return bool({"e2e", "dist"} & set(Path(str(item.fspath)).relative_to(REPO).parts))
+
     for item in items:
-        if {"e2e", "dist"} & set(Path(str(item.fspath)).relative_to(REPO).parts):
+        if slow(item):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: 0 if Path(str(item.fspath)).name in CLUSTER_FILES else 1 if slow(item) else 2)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`make test` runs two pytest-xdist workers with --dist loadfile: a file's tests stay in one
-    worker (its module fixtures, such as a straight run the others compare with, run once), and
-    here the cluster files count as one file. (xdist_group markers would say the same, but
-    pytest-xdist 3.8 under pytest 9 does not group by them: it renames node ids, which pytest 9
-    no longer lets it do.)"""
+    """`make test` runs two pytest-xdist workers with --dist loadfile --no-loadscope-reorder: a
+    file's tests stay in one worker (its module fixtures, such as a straight run the others compare
+    with, run once), here the cluster files count as one file, and files go out in the order of
+    pytest_collection_modifyitems (xdist's reorder would send files with many short tests first).
+    xdist_group markers would say the same, but pytest-xdist 3.8 under pytest 9 does not group by
+    them: it renames node ids, which pytest 9 no longer lets it do."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
