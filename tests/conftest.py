@@ -110,8 +110,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     file's tests stay in one worker (its module fixtures, such as a straight run the others compare
     with, run once), here the cluster files count as one file, and files go out in the order of
     pytest_collection_modifyitems (xdist's reorder would send files with many short tests first).
-    xdist_group markers would say the same, but pytest-xdist 3.8 under pytest 9 does not group by
-    them: it renames node ids, which pytest 9 no longer lets it do."""
+    xdist_group markers with --dist loadgroup would say the same, but pytest-xdist 3.8 under
+    pytest 9 did not group by them here (four files of one group ran on both workers)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
