@@ -199,18 +199,25 @@ for line in sys.stdin:
 """
 
 
+def write_rows(args: argparse.Namespace, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """--rows rows of --data (its training split, repeated), written as Parquet at path with
+    --rows-per-group rows per row group; returns them (features, labels)."""
+    x, y = build_splits(args.data)["train"]
+    reps = -(-args.rows // len(x))
+    x, y = np.concatenate([x] * reps)[: args.rows], np.concatenate([y] * reps)[: args.rows]
+    write_parquet(x, y, path, args.rows_per_group)
+    return x, y
+
+
 def per_rank_case(args: argparse.Namespace) -> None:
     import os
     import subprocess
     import sys
 
     checkouts = {"this": str(Path(__file__).resolve().parents[1]), "baseline": str(Path(args.baseline).resolve())}
-    x, y = build_splits(args.data)["train"]
-    reps = -(-args.rows // len(x))
-    x, y = np.concatenate([x] * reps)[: args.rows], np.concatenate([y] * reps)[: args.rows]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train"
-        write_parquet(x, y, path, args.rows_per_group)
+        x, _ = write_rows(args, path)
         procs = {}
         for name, root in checkouts.items():
             env = dict(os.environ, PYTHONPATH=root)
@@ -280,12 +287,9 @@ def main() -> None:
         per_rank_case(args)
         return
 
-    x, y = build_splits(args.data)["train"]
-    reps = -(-args.rows // len(x))
-    x, y = np.concatenate([x] * reps)[: args.rows], np.concatenate([y] * reps)[: args.rows]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train"
-        write_parquet(x, y, path, args.rows_per_group)
+        x, y = write_rows(args, path)
         url = to_url(str(path))
         cfg = OmegaConf.structured(
             PetastormDataConfig(path=str(path), batch_size=args.batch_size, workers_count=args.workers)
