@@ -21,9 +21,10 @@ Per rank, against another checkout (--baseline DIR, e.g. `git worktree add /tmp/
 
     .venv/bin/python benchmarks/data.py --world-size 2 --baseline /tmp/old [--rows ...]
 
-reads each rank's epoch of `data=petastorm` (rank r of --world-size, one rank at a time) in child
+reads each rank's epochs of `data=petastorm` (rank r of --world-size, one rank at a time) in child
 processes, one per (checkout, rank), alternating between this checkout and the baseline within
-every repeat, and prints rows/s per rank (median over repeats) and the ratio.
+every repeat, and prints rows/s per rank (median over repeats) and the ratio. A repeat times
+--epochs epochs read back to back, as training reads them, after one untimed epoch.
 
 Images (--images): a Petastorm dataset in the style of Petastorm's hello_world (a Unischema with a
 PNG image field of --image-size^2 x 3 random uint8 pixels and an int label, written by Spark through
@@ -177,10 +178,12 @@ def image_case(args: argparse.Namespace) -> None:
 
 
 # A child process of --baseline: the training data of rank `rank` of `world` with the dtf it imports
-# (PYTHONPATH), one epoch per line read from stdin, "<rows> <seconds>" per epoch on stdout. Only
-# API that old and new checkouts share.
+# (PYTHONPATH). Per line "<first epoch> <epochs>" read from stdin, it reads epochs back to back as a
+# training run does, the first one untimed (nothing it read ahead in the pause before counts), and
+# prints "<rows> <seconds>" of the others. The next epoch is read ahead where the checkout can
+# (set_epoch's read_ahead), also after the last timed one: that cost is counted, its use is not.
 _RANK_READER = """
-import sys, time, torch
+import inspect, sys, time, torch
 from omegaconf import OmegaConf
 from dtf.config.schema import PetastormDataConfig
 from dtf.data.parquet import data as parquet
@@ -191,10 +194,17 @@ torch.set_num_threads(1)
 path, rank, world, batch, workers = sys.argv[1], *map(int, sys.argv[2:6])
 cfg = OmegaConf.structured(PetastormDataConfig(path=path, batch_size=batch, workers_count=workers))
 data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
+ahead = {"read_ahead": True} if "read_ahead" in inspect.signature(data.set_epoch).parameters else {}
 for line in sys.stdin:
-    data.set_epoch(int(line))
-    t0 = time.perf_counter()
-    rows = sum(len(labels) for _, labels in data)
+    first, count = map(int, line.split())
+    rows = 0
+    for epoch in range(first, first + count + 1):
+        if epoch == first + 1:
+            t0, rows = time.perf_counter(), 0
+        data.set_epoch(epoch, **ahead)
+        rows += sum(len(labels) for _, labels in data)
+    if hasattr(data, "close"):
+        data.close()
     print(rows, time.perf_counter() - t0, flush=True)
 """
 
@@ -234,7 +244,7 @@ def per_rank_case(args: argparse.Namespace) -> None:
                 for key in order:
                     proc = procs[key]
                     assert proc.stdin is not None and proc.stdout is not None
-                    proc.stdin.write(f"{i}\n")
+                    proc.stdin.write(f"{i * (args.epochs + 1)} {args.epochs}\n")
                     proc.stdin.flush()
                     rows, seconds = proc.stdout.readline().split()
                     if i:
@@ -248,7 +258,8 @@ def per_rank_case(args: argparse.Namespace) -> None:
     print(
         f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, "
         f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, {args.workers} reader "
-        f"workers, median of {args.repeats} alternating repeats; this = {checkouts['this']}, "
+        f"workers, {args.epochs} epochs back to back per repeat, median of {args.repeats} alternating repeats; "
+        f"this = {checkouts['this']}, "
         f"baseline = {checkouts['baseline']}"
     )
     for rank in range(args.world_size):
@@ -273,6 +284,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--world-size", type=int, default=1, help="with --baseline: ranks whose epochs are read")
     p.add_argument("--baseline", default=None, help="another dtf checkout: rows/s per rank, this one vs it")
+    p.add_argument("--epochs", type=int, default=3, help="with --baseline: epochs read back to back per repeat")
     args = p.parse_args()
     quiet_petastorm()
     torch.set_num_threads(1)

@@ -29,7 +29,7 @@ from dtf.data.parquet.plan import (
     eval_share,
     remainder_rows,
 )
-from dtf.data.parquet.reader import Columns, ReaderOptions, assemble, read_segments, read_steps
+from dtf.data.parquet.reader import Columns, Part, ReaderOptions, StepReading, assemble, read_segments
 from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -159,11 +159,14 @@ class _Stream:
             x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
         return self.transform((x, y)) if self.transform is not None else (x, y)
 
-    def step_batches(self, steps: Sequence[Sequence[Sequence[Segment]]]) -> Iterator[Batch]:
-        """One batch per step: the step's rows of every partition, concatenated in partition order."""
-        for parts in read_steps(self.source, steps, self.layout.columns, self.reader):
-            x, y = self.layout.arrays(assemble(parts))
-            yield self._finish(torch.from_numpy(x), torch.from_numpy(y))
+    def start_reading(self, steps: Sequence[Sequence[Sequence[Segment]]]) -> StepReading:
+        """The reading of these steps, its workers started (they read ahead from now on)."""
+        return StepReading(self.source, steps, self.layout.columns, self.reader)
+
+    def step_batch(self, parts: Sequence[Part]) -> Batch:
+        """One step's batch: its rows of every partition, concatenated in partition order."""
+        x, y = self.layout.arrays(assemble(parts))
+        return self._finish(torch.from_numpy(x), torch.from_numpy(y))
 
 
 @dataclass
@@ -188,6 +191,10 @@ class ParquetTrainData:
     # A resume that continues the epoch from a row that is not on this global batch's grid (the
     # global batch changed): (epoch, its start batch, rows of every partition used before it).
     resume_row: tuple[int, int, int] | None = None
+    # set_epoch's read_ahead: the next epoch follows this one, from its first batch.
+    read_ahead: bool = False
+    # The next epoch's reading, started during this one: ((epoch, start batch), reading).
+    _ahead: tuple[tuple[int, int], StepReading] | None = field(default=None, repr=False, compare=False)
     # The rows consumed mid-epoch are the first samples_in_epoch / C rows of every partition,
     # whatever the world size: a resume on another one continues the same sequence.
     position_survives_world_size_change = True
@@ -218,9 +225,14 @@ class ParquetTrainData:
         """Rows used twice in an epoch (all ranks), to fill every rank's last batch."""
         return remainder_rows(self.num_samples, self.world_size, self.batch_size, pad=True) if self.pad else 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch).
+
+        read_ahead: the next epoch follows. Once this epoch's workers have read all it needs, the
+        next epoch's reading starts, so its first row groups (one per partition the rank owns)
+        are read while this epoch's last steps train, and its first batch does not wait for them.
+        """
+        self.epoch, self.start_batch, self.read_ahead = epoch, start_batch, read_ahead
 
     def seek(self, epoch: int, samples_in_epoch: int) -> int:
         """The batch to start epoch `epoch` at, so that every partition continues from its row
@@ -233,32 +245,67 @@ class ParquetTrainData:
         self.resume_row = (epoch, start, used) if used != start * b else None
         return start
 
-    @property
-    def _grid(self) -> tuple[int, int]:
-        """(batch index, rows of every partition used before it) the current epoch's batches count from."""
-        if self.resume_row is not None and self.resume_row[:2] == (self.epoch, self.start_batch):
+    def _grid_of(self, epoch: int, start_batch: int) -> tuple[int, int]:
+        """(batch index, rows of every partition used before it) an epoch's batches count from."""
+        if self.resume_row is not None and self.resume_row[:2] == (epoch, start_batch):
             return self.resume_row[1], self.resume_row[2]
         return 0, 0
+
+    @property
+    def _grid(self) -> tuple[int, int]:
+        return self._grid_of(self.epoch, self.start_batch)
 
     def samples_after(self, num_batches: int) -> int:
         """Rows used by the epoch's first num_batches batches, over all ranks (every batch is full)."""
         first, used = self._grid
         return (used + (num_batches - first) * self.rows_per_step) * self.num_partitions
 
-    def partitions(self) -> Partitions:
-        order = EpochOrder(
-            self.stream.source.piece_rows, self.seed, self.epoch, self.shuffle_row_groups, self.shuffle_rows
-        )
+    def partitions(self, epoch: int | None = None) -> Partitions:
+        """The canonical partitions of an epoch (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        order = EpochOrder(self.stream.source.piece_rows, self.seed, epoch, self.shuffle_row_groups, self.shuffle_rows)
         return Partitions(order, self.num_partitions, self.rows_per_step, self.pad)
 
-    def steps(self) -> list[list[list[Segment]]]:
-        """This rank's rows for the current epoch from start_batch on, per batch and partition: a
-        pure function of the settings."""
-        start_row = self.samples_after(self.start_batch) // self.num_partitions
-        return self.partitions().rank_steps(self.world_size, self.rank, start_row)
+    def steps(self, epoch: int | None = None, start_batch: int | None = None) -> list[list[list[Segment]]]:
+        """This rank's rows of an epoch from a batch on (default: the current epoch from start_batch),
+        per batch and partition: a pure function of the settings."""
+        epoch = self.epoch if epoch is None else epoch
+        start_batch = self.start_batch if start_batch is None else start_batch
+        first, used = self._grid_of(epoch, start_batch)
+        start_row = used + (start_batch - first) * self.rows_per_step
+        return self.partitions(epoch).rank_steps(self.world_size, self.rank, start_row)
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.stream.step_batches(self.steps())
+        return self._batches(self.epoch, self.start_batch, self.read_ahead)
+
+    def _batches(self, epoch: int, start_batch: int, read_ahead: bool) -> Iterator[Batch]:
+        # A generator: nothing is started before the first batch is asked for, and the reading
+        # stops when the epoch is left, finished or not.
+        reading = self._claim_ahead((epoch, start_batch)) or self.stream.start_reading(self.steps(epoch, start_batch))
+        try:
+            for parts in reading:
+                # Before the yield: after an epoch's last batch the trainer asks for no more.
+                if read_ahead and reading.all_arrived and self._ahead is None:
+                    self._ahead = (epoch + 1, 0), self.stream.start_reading(self.steps(epoch + 1, 0))
+                yield self.stream.step_batch(parts)
+        finally:
+            reading.close()
+
+    def _claim_ahead(self, key: tuple[int, int]) -> StepReading | None:
+        """The reading started ahead, if it is of this epoch and start batch (else it is stopped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead[0] == key:
+            return ahead[1]
+        ahead[1].close()
+        return None
+
+    def close(self) -> None:
+        """Stop a reading started ahead for an epoch that will not be read (the run ends or stops)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].close()
 
     def describe(self) -> str:
         if self.pad:

@@ -13,6 +13,7 @@ fields dtf found in all files.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,7 +201,17 @@ def read_steps(
     source: ParquetSource, steps: Sequence[Sequence[Sequence[Segment]]], columns: Sequence[str], opts: ReaderOptions
 ) -> Iterator[list[Part]]:
     """Per step, where the rows of its segments are (per partition, a few segments each), in
-    order; assemble() makes them one batch, copying each row once.
+    order; assemble() makes them one batch, copying each row once (see StepReading)."""
+    reading = StepReading(source, steps, columns, opts)
+    try:
+        yield from reading
+    finally:
+        reading.close()
+
+
+class StepReading:
+    """The reading of a list of steps through one pool of Petastorm workers. It starts when made:
+    the workers read ahead from then on, before (and while) the steps are iterated, once.
 
     Several partition streams are served by one pool: every row group is read once, in the
     order it is first needed. When it arrives, the run of rows it gives the partition that
@@ -210,31 +221,49 @@ def read_steps(
     per partition it reads, plus what the pool has read ahead, and a row group that two
     partitions share, or that padding repeats, is not read twice.
     """
-    flat: list[Segment] = []
-    # row group -> runs of its segments (the flat indices of consecutive rows of one partition's
-    # stream), in the order of first use.
-    runs: dict[int, dict[tuple[int, int], list[int]]] = {}
-    last: dict[int, tuple[int, int]] = {}  # partition (its place in a step) -> (row group, run number)
-    for step in steps:
-        for k, part in enumerate(step):
-            for seg in part:
-                if not len(seg):
-                    continue
-                piece, run = last.get(k, (-1, -1))
-                if piece != seg.piece:
-                    last[k] = piece, run = seg.piece, run + 1
-                runs.setdefault(seg.piece, {}).setdefault((k, run), []).append(len(flat))
-                flat.append(seg)
-    if not flat:  # Petastorm publishes nothing for a row group without rows
-        return
-    quiet_petastorm()
-    pool = _make_pool(opts)
-    _start(pool, source, list(runs), columns, opts, num_streams=max(len(step) for step in steps))
-    arrived: dict[int, Any] = {}  # read ahead of their turn
-    ready: dict[int, Part] = {}  # index in flat -> where its rows are
-    i = 0
-    try:
+
+    def __init__(
+        self,
+        source: ParquetSource,
+        steps: Sequence[Sequence[Sequence[Segment]]],
+        columns: Sequence[str],
+        opts: ReaderOptions,
+    ) -> None:
+        self.source, self.steps, self.columns, self.opts = source, steps, columns, opts
+        self.flat: list[Segment] = []
+        # row group -> runs of its segments (the flat indices of consecutive rows of one partition's
+        # stream), in the order of first use.
+        self.runs: dict[int, dict[tuple[int, int], list[int]]] = {}
+        last: dict[int, tuple[int, int]] = {}  # partition (its place in a step) -> (row group, run number)
         for step in steps:
+            for k, part in enumerate(step):
+                for seg in part:
+                    if not len(seg):
+                        continue
+                    piece, run = last.get(k, (-1, -1))
+                    if piece != seg.piece:
+                        last[k] = piece, run = seg.piece, run + 1
+                    self.runs.setdefault(seg.piece, {}).setdefault((k, run), []).append(len(self.flat))
+                    self.flat.append(seg)
+        self.pool: Any = None
+        if self.flat:  # Petastorm publishes nothing for a row group without rows
+            quiet_petastorm()
+            self.pool = _make_pool(opts)
+            # Stopped when closed, or collected, or at exit at the latest: worker threads still
+            # reading while the interpreter shuts down can abort it.
+            self._stop = weakref.finalize(self, _stop_pool, self.pool)
+            _start(self.pool, source, list(self.runs), columns, opts, num_streams=max(len(step) for step in steps))
+
+    @property
+    def all_arrived(self) -> bool:
+        """Every row group this reading needs has reached the consumer: its workers have nothing left to do."""
+        return not self.runs
+
+    def __iter__(self) -> Iterator[list[Part]]:
+        arrived: dict[int, Any] = {}  # read ahead of their turn
+        ready: dict[int, Part] = {}  # index in flat -> where its rows are
+        i = 0
+        for step in self.steps:
             out = []
             for part in step:
                 for seg in part:
@@ -242,17 +271,31 @@ def read_steps(
                         continue
                     if i not in ready:
                         while seg.piece not in arrived:
-                            piece, payload = _next_result(pool, source, seg.piece)
+                            piece, payload = _next_result(self.pool, self.source, seg.piece)
                             if isinstance(payload, WorkerReadError):
-                                raise UserError(f"{source.key}={source.url}: {payload}")
+                                raise UserError(f"{self.source.key}={self.source.url}: {payload}")
                             arrived[piece] = payload
-                        _place(arrived.pop(seg.piece), list(runs.pop(seg.piece).values()), flat, ready, columns, opts)
+                        runs = list(self.runs.pop(seg.piece).values())
+                        _place(arrived.pop(seg.piece), runs, self.flat, ready, self.columns, self.opts)
                     out.append(ready.pop(i))
                     i += 1
             yield out
-    finally:
-        pool.stop()
-        pool.join()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (those of a process pool end); the reading cannot be iterated after."""
+        if self.pool is not None:
+            self.pool = None
+            self._stop()
+
+    @property
+    def closed(self) -> bool:
+        return self.pool is None
+
+
+def _stop_pool(pool: Any) -> None:
+    pool.stop()
+    pool.join()
 
 
 def _place(
