@@ -179,11 +179,10 @@ def image_case(args: argparse.Namespace) -> None:
 
 # A child process of --baseline: the training data of rank `rank` of `world` with the dtf it imports
 # (PYTHONPATH). Per line "<first epoch> <epochs>" read from stdin, it reads epochs back to back as a
-# training run does, the first one untimed (nothing it read ahead in the pause before counts), and
-# prints "<rows> <seconds>" of the others. The next epoch is read ahead where the checkout can
-# (set_epoch's read_ahead), also after the last timed one: that cost is counted, its use is not.
+# training run does, the first one untimed (it warms what the pause before it cooled), and prints
+# "<rows> <seconds>" of the others. Only API that old and new checkouts share.
 _RANK_READER = """
-import inspect, sys, time, torch
+import sys, time, torch
 from omegaconf import OmegaConf
 from dtf.config.schema import PetastormDataConfig
 from dtf.data.parquet import data as parquet
@@ -194,17 +193,14 @@ torch.set_num_threads(1)
 path, rank, world, batch, workers = sys.argv[1], *map(int, sys.argv[2:6])
 cfg = OmegaConf.structured(PetastormDataConfig(path=path, batch_size=batch, workers_count=workers))
 data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
-ahead = {"read_ahead": True} if "read_ahead" in inspect.signature(data.set_epoch).parameters else {}
 for line in sys.stdin:
     first, count = map(int, line.split())
     rows = 0
     for epoch in range(first, first + count + 1):
         if epoch == first + 1:
             t0, rows = time.perf_counter(), 0
-        data.set_epoch(epoch, **ahead)
+        data.set_epoch(epoch)
         rows += sum(len(labels) for _, labels in data)
-    if hasattr(data, "close"):
-        data.close()
     print(rows, time.perf_counter() - t0, flush=True)
 """
 

@@ -24,12 +24,14 @@ from dtf.data.parquet.plan import (
     EpochOrder,
     Partitions,
     Segment,
+    Stream,
     batches_per_rank,
     choose_partitions,
     eval_share,
     remainder_rows,
+    stream_of,
 )
-from dtf.data.parquet.reader import Columns, Part, ReaderOptions, StepReading, assemble, read_segments
+from dtf.data.parquet.reader import Columns, Part, ReaderOptions, StepReading, assemble
 from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -110,34 +112,6 @@ def feature_dtype(name: str) -> torch.dtype:
     return torch.get_default_dtype() if name == "auto" else getattr(torch, name)
 
 
-def cut_batches(
-    chunks: Iterator[tuple[np.ndarray, np.ndarray]], batch_size: int, keep_last_partial: bool
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of batch_size rows from a stream of row chunks; a batch may span chunks."""
-    carry_x: list[np.ndarray] = []
-    carry_y: list[np.ndarray] = []
-    carried = 0
-    for x, y in chunks:
-        i = 0
-        if carried:
-            take = min(batch_size - carried, len(x))
-            carry_x.append(x[:take])
-            carry_y.append(y[:take])
-            carried += take
-            i = take
-            if carried < batch_size:
-                continue
-            yield torch.from_numpy(np.concatenate(carry_x)), torch.from_numpy(np.concatenate(carry_y))
-            carry_x, carry_y, carried = [], [], 0
-        while len(x) - i >= batch_size:  # whole batches inside one chunk: views, no copy
-            yield torch.from_numpy(x[i : i + batch_size]), torch.from_numpy(y[i : i + batch_size])
-            i += batch_size
-        if i < len(x):
-            carry_x, carry_y, carried = [x[i:]], [y[i:]], len(x) - i
-    if carried and keep_last_partial:
-        yield torch.from_numpy(np.concatenate(carry_x)), torch.from_numpy(np.concatenate(carry_y))
-
-
 @dataclass
 class _Stream:
     """What both train and test data need to turn planned segments into batches."""
@@ -147,11 +121,16 @@ class _Stream:
     reader: ReaderOptions
     transform: Transform | None
 
-    def batches(self, segments: Sequence[Segment], batch_size: int, keep_last_partial: bool) -> Iterator[Batch]:
-        rows = read_segments(self.source, segments, self.layout.columns, self.reader)
-        chunks = (self.layout.arrays(cols) for cols in rows)
-        for x, y in cut_batches(chunks, batch_size, keep_last_partial):
-            yield self._finish(x, y)
+    def batches(self, segments: Sequence[Segment], batch_size: int) -> Iterator[Batch]:
+        """The rows of segments in order, in batches of batch_size rows (the last one may be short)."""
+        stream = stream_of(segments)
+        bounds = [*range(0, len(stream), batch_size), len(stream)] if len(stream) else []
+        reading = self.start_reading([stream], bounds)
+        try:
+            for parts in reading:
+                yield self.step_batch(parts)
+        finally:
+            reading.close()
 
     def _finish(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
         if x.dtype != self.layout.feature_dtype:  # bfloat16: no numpy dtype to cast to on the way
@@ -159,9 +138,9 @@ class _Stream:
             x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
         return self.transform((x, y)) if self.transform is not None else (x, y)
 
-    def start_reading(self, steps: Sequence[Sequence[Sequence[Segment]]]) -> StepReading:
+    def start_reading(self, streams: Sequence[Stream], bounds: Sequence[int]) -> StepReading:
         """The reading of these steps, its workers started (they read ahead from now on)."""
-        return StepReading(self.source, steps, self.layout.columns, self.reader)
+        return StepReading(self.source, streams, bounds, self.layout.columns, self.reader)
 
     def step_batch(self, parts: Sequence[Part]) -> Batch:
         """One step's batch: its rows of every partition, concatenated in partition order."""
@@ -191,10 +170,6 @@ class ParquetTrainData:
     # A resume that continues the epoch from a row that is not on this global batch's grid (the
     # global batch changed): (epoch, its start batch, rows of every partition used before it).
     resume_row: tuple[int, int, int] | None = None
-    # set_epoch's read_ahead: the next epoch follows this one, from its first batch.
-    read_ahead: bool = False
-    # The next epoch's reading, started during this one: ((epoch, start batch), reading).
-    _ahead: tuple[tuple[int, int], StepReading] | None = field(default=None, repr=False, compare=False)
     # The rows consumed mid-epoch are the first samples_in_epoch / C rows of every partition,
     # whatever the world size: a resume on another one continues the same sequence.
     position_survives_world_size_change = True
@@ -225,14 +200,9 @@ class ParquetTrainData:
         """Rows used twice in an epoch (all ranks), to fill every rank's last batch."""
         return remainder_rows(self.num_samples, self.world_size, self.batch_size, pad=True) if self.pad else 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
-        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch).
-
-        read_ahead: the next epoch follows. Once this epoch's workers have read all it needs, the
-        next epoch's reading starts, so its first row groups (one per partition the rank owns)
-        are read while this epoch's last steps train, and its first batch does not wait for them.
-        """
-        self.epoch, self.start_batch, self.read_ahead = epoch, start_batch, read_ahead
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
+        self.epoch, self.start_batch = epoch, start_batch
 
     def seek(self, epoch: int, samples_in_epoch: int) -> int:
         """The batch to start epoch `epoch` at, so that every partition continues from its row
@@ -266,46 +236,27 @@ class ParquetTrainData:
         order = EpochOrder(self.stream.source.piece_rows, self.seed, epoch, self.shuffle_row_groups, self.shuffle_rows)
         return Partitions(order, self.num_partitions, self.rows_per_step, self.pad)
 
-    def steps(self, epoch: int | None = None, start_batch: int | None = None) -> list[list[list[Segment]]]:
-        """This rank's rows of an epoch from a batch on (default: the current epoch from start_batch),
-        per batch and partition: a pure function of the settings."""
-        epoch = self.epoch if epoch is None else epoch
-        start_batch = self.start_batch if start_batch is None else start_batch
+    def streams(self, epoch: int, start_batch: int) -> list[Stream]:
+        """This rank's partitions of an epoch from a batch on, in order of use: a pure function of
+        the settings. Batch t (counted from start_batch) takes rows [t b, (t + 1) b) of each."""
         first, used = self._grid_of(epoch, start_batch)
         start_row = used + (start_batch - first) * self.rows_per_step
-        return self.partitions(epoch).rank_steps(self.world_size, self.rank, start_row)
+        return self.partitions(epoch).rank_streams(self.world_size, self.rank, start_row)
+
+    def _start_reading(self, epoch: int, start_batch: int) -> StepReading:
+        streams = self.streams(epoch, start_batch)
+        steps = len(streams[0]) // self.rows_per_step
+        return self.stream.start_reading(streams, [t * self.rows_per_step for t in range(steps + 1)])
 
     def __iter__(self) -> Iterator[Batch]:
-        return self._batches(self.epoch, self.start_batch, self.read_ahead)
-
-    def _batches(self, epoch: int, start_batch: int, read_ahead: bool) -> Iterator[Batch]:
-        # A generator: nothing is started before the first batch is asked for, and the reading
-        # stops when the epoch is left, finished or not.
-        reading = self._claim_ahead((epoch, start_batch)) or self.stream.start_reading(self.steps(epoch, start_batch))
+        # A generator: the reading starts when the first batch is asked for, and stops when the
+        # epoch is left, finished or not.
+        reading = self._start_reading(self.epoch, self.start_batch)
         try:
             for parts in reading:
-                # Before the yield: after an epoch's last batch the trainer asks for no more.
-                if read_ahead and reading.all_arrived and self._ahead is None:
-                    self._ahead = (epoch + 1, 0), self.stream.start_reading(self.steps(epoch + 1, 0))
                 yield self.stream.step_batch(parts)
         finally:
             reading.close()
-
-    def _claim_ahead(self, key: tuple[int, int]) -> StepReading | None:
-        """The reading started ahead, if it is of this epoch and start batch (else it is stopped)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        if ahead[0] == key:
-            return ahead[1]
-        ahead[1].close()
-        return None
-
-    def close(self) -> None:
-        """Stop a reading started ahead for an epoch that will not be read (the run ends or stops)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].close()
 
     def describe(self) -> str:
         if self.pad:
@@ -332,7 +283,7 @@ class ParquetEvalData:
         return math.ceil(sum(len(s) for s in self.segments) / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.stream.batches(self.segments, self.batch_size, keep_last_partial=True)
+        return self.stream.batches(self.segments, self.batch_size)
 
     def num_real_in_batch(self, batch_index: int) -> int:
         return max(0, min(self.batch_size, self.num_real - batch_index * self.batch_size))

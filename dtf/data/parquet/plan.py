@@ -36,6 +36,28 @@ class Segment:
         return len(self.rows)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Rows in the order they are used, as arrays: the row group of each (pieces) and its index in it (rows)."""
+
+    pieces: np.ndarray
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, span: slice) -> Stream:
+        return Stream(self.pieces[span], self.rows[span])
+
+
+def stream_of(segments: Sequence[Segment]) -> Stream:
+    """The rows of segments, one after the other."""
+    if not segments:
+        return Stream(np.empty(0, np.int64), np.empty(0, np.int64))
+    pieces = np.repeat(np.asarray([s.piece for s in segments], np.int64), [len(s) for s in segments])
+    return Stream(pieces, np.concatenate([s.rows for s in segments]).astype(np.int64, copy=False))
+
+
 def batches_per_rank(num_rows: int, world_size: int, batch_size: int, pad: bool) -> int:
     """Full batches every rank yields per epoch: the remainder is dropped, or padded up to one more batch."""
     per_step = world_size * batch_size
@@ -226,6 +248,13 @@ class Partitions:
     def owned(self, world_size: int, rank: int) -> range:
         per_rank = self.num_partitions // world_size
         return range(rank * per_rank, (rank + 1) * per_rank)
+
+    def rank_streams(self, world_size: int, rank: int, start_row: int = 0) -> list[Stream]:
+        """This rank's partitions from start_row on, cut to whole steps: step t takes rows
+        [t b, (t + 1) b) of each (rank_steps as arrays, what the reader reads by)."""
+        steps = max(0, self.rows_per_partition - start_row) // self.rows_per_step
+        stop = start_row + steps * self.rows_per_step
+        return [stream_of(self.rows(c))[start_row:stop] for c in self.owned(world_size, rank)]
 
     def rank_steps(self, world_size: int, rank: int, start_row: int = 0) -> list[list[list[Segment]]]:
         """This rank's steps from start_row of every partition on: per step, per owned partition,

@@ -31,7 +31,7 @@ from petastorm.workers_pool.process_pool import ProcessPool
 from petastorm.workers_pool.thread_pool import ThreadPool
 from petastorm.workers_pool.ventilator import ConcurrentVentilator
 
-from dtf.data.parquet.plan import Segment
+from dtf.data.parquet.plan import Stream
 from dtf.data.parquet.source import (
     IMAGE_FIX,
     ParquetSource,
@@ -185,102 +185,130 @@ def _start(
     pool.start(worker, (fs, path, schema, None, row_groups, NullCache(), None, schema, filters, False, 0), ventilator)
 
 
-def read_segments(
-    source: ParquetSource, segments: Sequence[Segment], columns: Sequence[str], opts: ReaderOptions
-) -> Iterator[Columns]:
-    """The rows of each segment, in order, as one numpy array per column (dim 0: rows)."""
-    for step in read_steps(source, [[[s]] for s in segments], columns, opts):
-        yield assemble(step)
-
-
-# Where a segment's rows are: arrays (one per column) and the segment's rows in them (indices, or a slice).
+# Where a part of a step's rows is: arrays (one per column) and the rows in them (indices, or a slice).
 Part = tuple[Columns, "np.ndarray | slice"]
 
 
-def read_steps(
-    source: ParquetSource, steps: Sequence[Sequence[Sequence[Segment]]], columns: Sequence[str], opts: ReaderOptions
-) -> Iterator[list[Part]]:
-    """Per step, where the rows of its segments are (per partition, a few segments each), in
-    order; assemble() makes them one batch, copying each row once (see StepReading)."""
-    reading = StepReading(source, steps, columns, opts)
-    try:
-        yield from reading
-    finally:
-        reading.close()
+@dataclass(frozen=True)
+class _Run:
+    """Rows [start, end) of stream `part` that come from one row group, `piece`."""
+
+    part: int
+    piece: int
+    start: int
+    end: int
 
 
 class StepReading:
-    """The reading of a list of steps through one pool of Petastorm workers. It starts when made:
-    the workers read ahead from then on, before (and while) the steps are iterated, once.
+    """The reading of steps of one or more streams (a rank's partitions) through one pool of
+    Petastorm workers. It starts when made: the workers read ahead from then on, before (and
+    while) the steps are iterated, once.
 
-    Several partition streams are served by one pool: every row group is read once, in the
-    order it is first needed. When it arrives, the run of rows it gives the partition that
-    needs it first is gathered from it step by step (the row group is held until then); the
+    Step t takes the rows [bounds[t], bounds[t + 1]) of every stream. Every row group is read
+    once, in the order it is first needed. When it arrives, the run of rows it gives the stream
+    that needs it first is read out of it step by step (the row group is held until then); the
     runs it gives later (the tail of a partition whose next one starts in it, padding) are
-    gathered out of it at once, so that it can be let go. So a rank holds about one row group
-    per partition it reads, plus what the pool has read ahead, and a row group that two
-    partitions share, or that padding repeats, is not read twice.
+    gathered out of it at once, so that it can be let go. So a rank holds about one row group per
+    stream, plus what the pool has read ahead, and a row group that two partitions share, or that
+    padding repeats, is not read twice. Runs are found once per reading, with numpy: a step costs
+    a few lookups per stream, not a walk over segment objects.
     """
 
     def __init__(
         self,
         source: ParquetSource,
-        steps: Sequence[Sequence[Sequence[Segment]]],
+        streams: Sequence[Stream],
+        bounds: Sequence[int],
         columns: Sequence[str],
         opts: ReaderOptions,
     ) -> None:
-        self.source, self.steps, self.columns, self.opts = source, steps, columns, opts
-        self.flat: list[Segment] = []
-        # row group -> runs of its segments (the flat indices of consecutive rows of one partition's
-        # stream), in the order of first use.
-        self.runs: dict[int, dict[tuple[int, int], list[int]]] = {}
-        last: dict[int, tuple[int, int]] = {}  # partition (its place in a step) -> (row group, run number)
-        for step in steps:
-            for k, part in enumerate(step):
-                for seg in part:
-                    if not len(seg):
-                        continue
-                    piece, run = last.get(k, (-1, -1))
-                    if piece != seg.piece:
-                        last[k] = piece, run = seg.piece, run + 1
-                    self.runs.setdefault(seg.piece, {}).setdefault((k, run), []).append(len(self.flat))
-                    self.flat.append(seg)
+        self.source, self.streams, self.columns, self.opts = source, streams, columns, opts
+        self.bounds = [int(b) for b in bounds]
+        used = self.bounds[-1] if self.bounds else 0
+        self.runs: list[list[_Run]] = []
+        first_use: list[tuple[int, int, int]] = []  # (step, stream, run): the order row groups are needed in
+        for k, stream in enumerate(streams):
+            pieces = stream.pieces[:used]
+            cuts = (np.flatnonzero(pieces[1:] != pieces[:-1]) + 1).tolist()
+            starts, ends = [0, *cuts], [*cuts, len(pieces)]
+            self.runs.append([_Run(k, int(pieces[a]), a, b) for a, b in zip(starts, ends, strict=True) if b > a])
+            steps = np.searchsorted(self.bounds, starts, side="right") - 1
+            first_use += [(int(t), k, j) for j, t in enumerate(steps[: len(self.runs[k])])]
+        # row group -> its runs in the order of use; a row group leaves this when it arrives.
+        self.pending: dict[int, list[_Run]] = {}
+        for _, k, j in sorted(first_use):
+            run = self.runs[k][j]
+            self.pending.setdefault(run.piece, []).append(run)
+        # (stream, run start) -> where the run's rows are, from its row group's arrival until used:
+        # (columns, None): the row group itself, indexed by the stream's row numbers;
+        # (columns, offset): rows of the run in order, position p of the stream at p - offset.
+        self.sources: dict[tuple[int, int], tuple[Columns, int | None]] = {}
         self.pool: Any = None
-        if self.flat:  # Petastorm publishes nothing for a row group without rows
+        if self.pending:  # Petastorm publishes nothing for a row group without rows: none is planned
             quiet_petastorm()
             self.pool = _make_pool(opts)
             # Stopped when closed, or collected, or at exit at the latest: worker threads still
             # reading while the interpreter shuts down can abort it.
             self._stop = weakref.finalize(self, _stop_pool, self.pool)
-            _start(self.pool, source, list(self.runs), columns, opts, num_streams=max(len(step) for step in steps))
+            _start(self.pool, source, list(self.pending), columns, opts, num_streams=len(streams))
 
     @property
     def all_arrived(self) -> bool:
         """Every row group this reading needs has reached the consumer: its workers have nothing left to do."""
-        return not self.runs
+        return not self.pending
 
     def __iter__(self) -> Iterator[list[Part]]:
         arrived: dict[int, Any] = {}  # read ahead of their turn
-        ready: dict[int, Part] = {}  # index in flat -> where its rows are
-        i = 0
-        for step in self.steps:
-            out = []
-            for part in step:
-                for seg in part:
-                    if not len(seg):
-                        continue
-                    if i not in ready:
-                        while seg.piece not in arrived:
-                            piece, payload = _next_result(self.pool, self.source, seg.piece)
-                            if isinstance(payload, WorkerReadError):
-                                raise UserError(f"{self.source.key}={self.source.url}: {payload}")
-                            arrived[piece] = payload
-                        runs = list(self.runs.pop(seg.piece).values())
-                        _place(arrived.pop(seg.piece), runs, self.flat, ready, self.columns, self.opts)
-                    out.append(ready.pop(i))
-                    i += 1
-            yield out
+        current = [0] * len(self.streams)  # per stream, its run at the step's first row
+        for lo, hi in zip(self.bounds, self.bounds[1:], strict=False):
+            parts: list[Part] = []
+            for k, runs in enumerate(self.runs):
+                j, at = current[k], lo
+                while at < hi:
+                    run = runs[j]
+                    key = (k, run.start)
+                    if key not in self.sources:
+                        self._receive(run.piece, arrived)
+                    columns, offset = self.sources[key]
+                    end = min(hi, run.end)
+                    rows = self.streams[k].rows[at:end] if offset is None else slice(at - offset, end - offset)
+                    parts.append((columns, rows))
+                    if end == run.end:  # the run is used up: let go of its rows
+                        del self.sources[key]
+                        j += 1
+                    at = end
+                current[k] = j
+            yield parts
         self.close()
+
+    def _receive(self, piece: int, arrived: dict[int, Any]) -> None:
+        """Wait for a row group, keeping those that arrive before it, and place its runs' rows."""
+        while piece not in arrived:
+            got, payload = _next_result(self.pool, self.source, piece)
+            if isinstance(payload, WorkerReadError):
+                raise UserError(f"{self.source.key}={self.source.url}: {payload}")
+            arrived[got] = payload
+        self._place(arrived.pop(piece), self.pending.pop(piece))
+
+    def _place(self, payload: Any, runs: list[_Run]) -> None:
+        """Where the rows of one row group's runs are: the first run in the row group itself (as
+        zero-copy arrays), later ones gathered out of it now (the row reader's decoded rows: every run)."""
+        whole = (
+            None
+            if self.opts.row_reader
+            else {name: arrow_to_numpy(payload.column(name), name) for name in dict.fromkeys(self.columns)}
+        )
+        for n, run in enumerate(runs):
+            rows = self.streams[run.part].rows[run.start : run.end]
+            key = run.part, run.start
+            if whole is None:
+                self.sources[key] = (_rows_to_columns(payload, rows, self.columns), run.start)
+            elif n > 0:  # a copy: a view would hold the whole row group until this run is used
+                self.sources[key] = ({name: values[rows] for name, values in whole.items()}, run.start)
+            elif _is_range(rows):  # stored order: a slice of the row group, no copy
+                self.sources[key] = (whole, run.start - int(rows[0]))
+            else:
+                self.sources[key] = (whole, None)
 
     def close(self) -> None:
         """Stop the workers (those of a process pool end); the reading cannot be iterated after."""
@@ -296,35 +324,6 @@ class StepReading:
 def _stop_pool(pool: Any) -> None:
     pool.stop()
     pool.join()
-
-
-def _place(
-    payload: Any,
-    runs: list[list[int]],
-    flat: Sequence[Segment],
-    ready: dict[int, Part],
-    columns: Sequence[str],
-    opts: ReaderOptions,
-) -> None:
-    """Where the rows of one row group's runs are: the first run in the row group itself (as zero-copy
-    arrays), later ones gathered out of it now (the row reader's decoded rows: every run)."""
-    whole = (
-        None
-        if opts.row_reader
-        else {name: arrow_to_numpy(payload.column(name), name) for name in dict.fromkeys(columns)}
-    )
-    for n, run in enumerate(runs):
-        if n == 0 and whole is not None:
-            for j in run:
-                rows = flat[j].rows
-                ready[j] = (whole, slice(int(rows[0]), int(rows[0]) + len(rows)) if _is_range(rows) else rows)
-            continue
-        rows = np.concatenate([flat[j].rows for j in run])
-        block = _rows_to_columns(payload, rows, columns) if whole is None else _take(whole, rows)
-        start = 0
-        for j in run:
-            ready[j] = (block, slice(start, start + len(flat[j])))
-            start += len(flat[j])
 
 
 def assemble(parts: Sequence[Part]) -> Columns:
@@ -375,19 +374,13 @@ def _is_range(rows: np.ndarray) -> bool:
     return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
 
 
-def _take(whole: Columns, rows: np.ndarray) -> Columns:
-    # Whole columns as zero-copy views, then one numpy gather (or a view, for a contiguous run
-    # of rows): cheaper than Arrow's take on list columns followed by a copy out of Arrow.
-    if _is_range(rows):
-        return {name: values[int(rows[0]) : int(rows[0]) + len(rows)] for name, values in whole.items()}
-    return {name: values[rows] for name, values in whole.items()}
-
-
 def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
     """A numeric (or list-of-numbers) Arrow column as an array of shape (rows,) or (rows, width)."""
     import pyarrow as pa
 
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    arr = column
+    if isinstance(column, pa.ChunkedArray):  # a row group's column is one chunk: combine_chunks would copy it
+        arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if arr.null_count:
         raise UserError(f"column {name!r} has {arr.null_count} null values: fill or drop them before training")
     if pa.types.is_dictionary(arr.type):  # a Hive partition column (root/split=train/...)
@@ -396,10 +389,13 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
         return vectors_to_numpy(arr, name)
     kind = arr.type
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        values = arr.flatten()
+        # This array's own values (it may be a slice of a longer one), without a copy: flatten()
+        # copies, and numpy would read the offsets one Python object at a time.
+        offsets = arr.offsets.to_numpy()
+        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if not _is_numeric(values.type):
             raise UserError(f"column {name!r} is a list of {values.type}: dtf reads lists of numbers only")
-        lengths = np.diff(np.asarray(arr.offsets))
+        lengths = np.diff(offsets)
         if len(lengths) and np.any(lengths != lengths[0]):
             raise UserError(f"column {name!r} holds lists of different lengths: every row needs the same length")
         width = int(lengths[0]) if len(lengths) else 0
