@@ -180,9 +180,11 @@ def image_case(args: argparse.Namespace) -> None:
 # A child process of --baseline: the training data of rank `rank` of `world` with the dtf it imports
 # (PYTHONPATH). Per line "<first epoch> <epochs>" read from stdin, it reads epochs back to back as a
 # training run does, the first one untimed (it warms what the pause before it cooled), and prints
-# "<rows> <seconds>" of the others. Only API that old and new checkouts share.
+# "<rows> <seconds>" of the others. Where the checkout reads the next epoch ahead (set_epoch's
+# read_ahead), it is asked to, as the trainer asks, also after the last timed epoch (its cost
+# counts, its use does not), unless read_ahead is 0. Else only API that all checkouts share.
 _RANK_READER = """
-import sys, time, torch
+import inspect, sys, time, torch
 from omegaconf import OmegaConf
 from dtf.config.schema import PetastormDataConfig
 from dtf.data.parquet import data as parquet
@@ -190,17 +192,21 @@ from dtf.data.parquet.source import quiet_petastorm
 from dtf.dist.env import DistEnv
 quiet_petastorm()
 torch.set_num_threads(1)
-path, rank, world, batch, workers = sys.argv[1], *map(int, sys.argv[2:6])
+path, rank, world, batch, workers, read_ahead = sys.argv[1], *map(int, sys.argv[2:7])
 cfg = OmegaConf.structured(PetastormDataConfig(path=path, batch_size=batch, workers_count=workers))
 data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
+can = "read_ahead" in inspect.signature(data.set_epoch).parameters
+ahead = {"read_ahead": True} if read_ahead and can else {}
 for line in sys.stdin:
     first, count = map(int, line.split())
     rows = 0
     for epoch in range(first, first + count + 1):
         if epoch == first + 1:
             t0, rows = time.perf_counter(), 0
-        data.set_epoch(epoch)
+        data.set_epoch(epoch, **ahead)
         rows += sum(len(labels) for _, labels in data)
+    if hasattr(data, "close"):
+        data.close()
     print(rows, time.perf_counter() - t0, flush=True)
 """
 
@@ -229,7 +235,7 @@ def per_rank_case(args: argparse.Namespace) -> None:
             env = dict(os.environ, PYTHONPATH=root)
             for rank in range(args.world_size):
                 cmd = [sys.executable, "-c", _RANK_READER, str(path), str(rank), str(args.world_size)]
-                cmd += [str(args.batch_size), str(args.workers)]
+                cmd += [str(args.batch_size), str(args.workers), str(int(not args.no_read_ahead))]
                 procs[(name, rank)] = subprocess.Popen(
                     cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp
                 )
@@ -281,6 +287,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=1, help="with --baseline: ranks whose epochs are read")
     p.add_argument("--baseline", default=None, help="another dtf checkout: rows/s per rank, this one vs it")
     p.add_argument("--epochs", type=int, default=3, help="with --baseline: epochs read back to back per repeat")
+    p.add_argument("--no-read-ahead", action="store_true", help="with --baseline: no set_epoch(read_ahead=True)")
     args = p.parse_args()
     quiet_petastorm()
     torch.set_num_threads(1)

@@ -35,8 +35,14 @@ class TrainData(Protocol):
         """This rank's batches of the current epoch, from its start batch on."""
         ...
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Position: a pure function of (seed, epoch, start_batch, rank, world size), so resuming is exact."""
+    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
+        """Position: a pure function of (seed, epoch, start_batch, rank, world size), so resuming is exact.
+        read_ahead: the next epoch follows this one (from its first batch), so its data may be read
+        ahead during this one."""
+        ...
+
+    def close(self) -> None:
+        """The run reads no more batches: stop what reads ahead."""
         ...
 
     def samples_after(self, num_batches: int) -> int:
@@ -91,9 +97,13 @@ class LoaderTrainData:
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
+    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch). The
+        DataLoader reads ahead within an epoch (its workers' prefetch), not across: read_ahead is not used."""
         self.sampler.set_epoch(epoch, skip=start_batch * self.batch_size)
+
+    def close(self) -> None:
+        """Nothing reads ahead across epochs here."""
 
     def samples_after(self, num_batches: int) -> int:
         # Every rank's share has the same length (DistributedSampler pads or cuts); the last batch may be short.

@@ -136,6 +136,7 @@ class Trainer:
                     break
             self.control.close()  # the last background save is committed, no exchange left in flight
         finally:
+            self.train_data.close()  # a stopped run leaves a next epoch it had started to read
             progress.close()
 
     @property
@@ -152,12 +153,14 @@ class Trainer:
         """The rest of the current epoch, one accumulation window per optimizer step, until the
         epoch or the budget ends. True when the ranks agreed to stop."""
         start, self.start_batch = self.start_batch, 0
-        self.train_data.set_epoch(self.state.epoch, start_batch=start)
+        num_batches, accum = len(self.train_data), self.s.grad_accum_steps
+        # Another epoch follows this one unless the budget ends in it (a stop may still end the run).
+        next_epoch_follows = self.state.step + math.ceil((num_batches - start) / accum) < self.total_steps
+        self.train_data.set_epoch(self.state.epoch, start_batch=start, read_ahead=next_epoch_follows)
         if start == 0:  # resumed mid-epoch: the epoch's sums so far came from the checkpoint
             self.train_loss.reset()
             self.train_metrics.reset()
         self.model.train()
-        num_batches, accum = len(self.train_data), self.s.grad_accum_steps
         batches = iter(self.train_data)
         self._t_last = self._sync_time()
         for first in range(start, num_batches, accum):

@@ -300,6 +300,88 @@ def test_an_epoch_left_in_the_middle_stops_its_reader_processes(tmp_path: Path) 
     assert all(torch.equal(a[1], b[1]) for a, b in zip(first, epoch(data, 0), strict=False))
 
 
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_the_next_epoch_read_ahead_gives_the_same_batches_and_is_let_go_when_not_read(
+    tmp_path: Path, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 20 row groups of uneven sizes: 4 partitions per rank need several each, so the read-ahead
+    # starts in the middle of an epoch, not at its first step.
+    path = write_row_groups(tmp_path / "many", [[97, 64, 130, 5], [50] * 8, [211, 3, 88], [40] * 5])
+    settings = {"batch_size": 8, "reader_pool_type": pool, "workers_count": 2}
+    started: list[tuple[int, int]] = []  # (epoch being read, batches of it taken) at each reading's start
+    taken = [0]
+    before = _worker_pids()
+    for rank in range(2) if pool == "thread" else [1]:  # a process pool starts in about a second
+        plain, _ = parquet.build(config(path, **settings), env(rank, 2), seed=3)
+        ahead, _ = parquet.build(config(path, **settings), env(rank, 2), seed=3)
+        start_reading = ahead.stream.start_reading
+
+        def spy(*args: Any, ahead: Any = ahead, start_reading: Any = start_reading) -> Any:
+            started.append((ahead.epoch, taken[0]))
+            return start_reading(*args)
+
+        monkeypatch.setattr(ahead.stream, "start_reading", spy)
+        started.clear()
+        for number in range(3):
+            expected = epoch(plain, number)
+            ahead.set_epoch(number, read_ahead=number < 2)
+            got, taken[0] = [], 0
+            for batch in ahead:
+                got.append(batch)
+                taken[0] += 1
+            assert len(got) == len(expected) == len(ahead)
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True))
+        # One reading per epoch: the first made at the first batch, the next two during the epoch
+        # before, before its last batch; the last epoch reads nothing ahead.
+        batches = len(ahead)
+        assert [e for e, _ in started] == [0, 0, 1], started
+        assert started[0][1] == 0 and all(0 < at < batches for _, at in started[1:]), (started, batches)
+
+        # Read ahead for an epoch that is not the next one read: let go, and the right rows are read.
+        ahead.set_epoch(3, read_ahead=True)
+        list(ahead)
+        if pool == "process":
+            assert _worker_pids() - before  # epoch 4's workers, started ahead
+        ahead.set_epoch(7)
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(list(ahead), epoch(plain, 7), strict=True))
+        # ... and close() lets go of a reading started ahead when the run reads no more.
+        ahead.set_epoch(8, read_ahead=True)
+        list(ahead)
+        ahead.close()
+        assert _worker_pids() <= before
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_the_trainer_reads_ahead_only_an_epoch_it_will_train_and_lets_go_of_it_when_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: bool
+) -> None:
+    from dtf.data.parquet.reader import StepReading
+    from dtf.results import Stopped
+    from tests.helpers.inprocess import train_in_process
+    from tests.unit.test_trainer import StopAtCheck
+
+    path = write_row_groups(tmp_path / "many", [[97, 64, 130, 5], [50] * 8, [211, 3, 88], [40] * 5])
+    readings: list[StepReading] = []
+
+    class Recorded(StepReading):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            readings.append(self)
+
+    monkeypatch.setattr(parquet, "StepReading", Recorded)
+    args = ["data=petastorm", f"data.path={path}", "data.batch_size=32", "trainer.max_epochs=3"]
+    # 1,198 rows: 37 steps per epoch; a stop signal before check 70 stops the run at step 72, in
+    # epoch 2 after its last row groups arrived (the third epoch's reading started).
+    args += ["checkpoint.stop_check_every_n_steps=1"]
+    result = train_in_process(args, tmp_path / "run", StopAtCheck(70) if stop else None)
+    if stop:
+        assert isinstance(result, Stopped) and result.step == 72, result
+    else:
+        assert result["global_step"] == 3 * 37
+    assert len(readings) == 3  # one per epoch, none for an epoch after the last
+    assert all(r.closed for r in readings)  # every pool stopped, the one read ahead too
+
+
 def test_arrow_columns_become_the_arrays_pyarrow_lists_them_as() -> None:
     """Lists of numbers (list and large_list, several chunks, slices of longer arrays, empty) and
     scalars, each checked against pyarrow's own Python lists."""

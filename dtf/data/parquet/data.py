@@ -170,6 +170,10 @@ class ParquetTrainData:
     # A resume that continues the epoch from a row that is not on this global batch's grid (the
     # global batch changed): (epoch, its start batch, rows of every partition used before it).
     resume_row: tuple[int, int, int] | None = None
+    # set_epoch's read_ahead: the next epoch follows this one, from its first batch.
+    read_ahead: bool = False
+    # The next epoch's reading, started during this one: ((epoch, start batch), reading).
+    _ahead: tuple[tuple[int, int], StepReading] | None = field(default=None, repr=False, compare=False)
     # The rows consumed mid-epoch are the first samples_in_epoch / C rows of every partition,
     # whatever the world size: a resume on another one continues the same sequence.
     position_survives_world_size_change = True
@@ -200,9 +204,14 @@ class ParquetTrainData:
         """Rows used twice in an epoch (all ranks), to fill every rank's last batch."""
         return remainder_rows(self.num_samples, self.world_size, self.batch_size, pad=True) if self.pad else 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch)."""
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
+        """Start epoch `epoch` at its batch `start_batch` (> 0 only when resuming mid-epoch).
+
+        read_ahead: the next epoch follows. Once all row groups of this epoch have arrived, this
+        epoch's reader stops and the next one's starts: its first row groups (one per partition
+        the rank owns) are read while this epoch's last steps use what arrived.
+        """
+        self.epoch, self.start_batch, self.read_ahead = epoch, start_batch, read_ahead
 
     def seek(self, epoch: int, samples_in_epoch: int) -> int:
         """The batch to start epoch `epoch` at, so that every partition continues from its row
@@ -249,14 +258,38 @@ class ParquetTrainData:
         return self.stream.start_reading(streams, [t * self.rows_per_step for t in range(steps + 1)])
 
     def __iter__(self) -> Iterator[Batch]:
+        return self._batches(self.epoch, self.start_batch, self.read_ahead)
+
+    def _batches(self, epoch: int, start_batch: int, read_ahead: bool) -> Iterator[Batch]:
         # A generator: the reading starts when the first batch is asked for, and stops when the
         # epoch is left, finished or not.
-        reading = self._start_reading(self.epoch, self.start_batch)
+        reading = self._claim_ahead((epoch, start_batch)) or self._start_reading(epoch, start_batch)
         try:
             for parts in reading:
+                # Before the yield: after an epoch's last batch the trainer asks for no more. One
+                # reader at a time: this epoch's has nothing left to read (its idle workers poll).
+                if read_ahead and reading.all_arrived and self._ahead is None:
+                    reading.close()
+                    self._ahead = (epoch + 1, 0), self._start_reading(epoch + 1, 0)
                 yield self.stream.step_batch(parts)
         finally:
             reading.close()
+
+    def _claim_ahead(self, key: tuple[int, int]) -> StepReading | None:
+        """The reading started ahead, if it is of this epoch and start batch (else it is stopped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead[0] == key:
+            return ahead[1]
+        ahead[1].close()
+        return None
+
+    def close(self) -> None:
+        """Stop a reading started ahead for an epoch that will not be read (the run ends or stops)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].close()
 
     def describe(self) -> str:
         if self.pad:
