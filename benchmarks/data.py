@@ -24,7 +24,9 @@ Per rank, against another checkout (--baseline DIR, e.g. `git worktree add /tmp/
 reads each rank's epochs of `data=petastorm` (rank r of --world-size, one rank at a time) in child
 processes, one per (checkout, rank), alternating between this checkout and the baseline within
 every repeat, and prints rows/s per rank (median over repeats) and the ratio. A repeat times
---epochs epochs read back to back, as training reads them, after one untimed epoch.
+--epochs epochs read back to back, as training reads them, after one untimed epoch. A process
+keeps its speed for its life (thread placement), which varies by a few percent between processes:
+--runs runs, each with fresh processes, and the median of their ratios.
 
 Images (--images): a Petastorm dataset in the style of Petastorm's hello_world (a Unischema with a
 PNG image field of --image-size^2 x 3 random uint8 pixels and an int label, written by Spark through
@@ -181,8 +183,8 @@ def image_case(args: argparse.Namespace) -> None:
 # (PYTHONPATH). Per line "<first epoch> <epochs>" read from stdin, it reads epochs back to back as a
 # training run does, the first one untimed (it warms what the pause before it cooled), and prints
 # "<rows> <seconds>" of the others. Where the checkout reads the next epoch ahead (set_epoch's
-# read_ahead), it is asked to, as the trainer asks, also after the last timed epoch (its cost
-# counts, its use does not), unless read_ahead is 0. Else only API that all checkouts share.
+# read_ahead), it is asked to as the trainer asks: for every epoch but the last (unless read_ahead
+# is 0). Else only API that all checkouts share.
 _RANK_READER = """
 import inspect, sys, time, torch
 from omegaconf import OmegaConf
@@ -195,18 +197,16 @@ torch.set_num_threads(1)
 path, rank, world, batch, workers, read_ahead = sys.argv[1], *map(int, sys.argv[2:7])
 cfg = OmegaConf.structured(PetastormDataConfig(path=path, batch_size=batch, workers_count=workers))
 data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
-can = "read_ahead" in inspect.signature(data.set_epoch).parameters
-ahead = {"read_ahead": True} if read_ahead and can else {}
+read_ahead = read_ahead and "read_ahead" in inspect.signature(data.set_epoch).parameters
 for line in sys.stdin:
     first, count = map(int, line.split())
     rows = 0
     for epoch in range(first, first + count + 1):
         if epoch == first + 1:
             t0, rows = time.perf_counter(), 0
-        data.set_epoch(epoch, **ahead)
+        last = epoch == first + count
+        data.set_epoch(epoch, **({"read_ahead": not last} if read_ahead else {}))
         rows += sum(len(labels) for _, labels in data)
-    if hasattr(data, "close"):
-        data.close()
     print(rows, time.perf_counter() - t0, flush=True)
 """
 
@@ -221,57 +221,67 @@ def write_rows(args: argparse.Namespace, path: Path) -> tuple[np.ndarray, np.nda
     return x, y
 
 
-def per_rank_case(args: argparse.Namespace) -> None:
+def per_rank_run(args: argparse.Namespace, checkouts: dict[str, str], path: Path) -> dict[tuple[str, int], float]:
+    """One run: fresh child processes, --repeats alternating repeats; rows/s per (checkout, rank), medians."""
     import os
     import subprocess
     import sys
 
+    procs = {}
+    for name, root in checkouts.items():
+        env = dict(os.environ, PYTHONPATH=root)
+        for rank in range(args.world_size):
+            cmd = [sys.executable, "-c", _RANK_READER, str(path), str(rank), str(args.world_size)]
+            cmd += [str(args.batch_size), str(args.workers), str(int(not args.no_read_ahead))]
+            # cwd: not a checkout, whose dtf would come before PYTHONPATH's
+            procs[(name, rank)] = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=path.parent
+            )
+    results: dict[tuple[str, int], list[float]] = {key: [] for key in procs}
+    try:
+        for i in range(args.repeats + 1):  # the first round warms caches and imports; not counted
+            order = list(procs) if i % 2 else list(reversed(procs))
+            for key in order:
+                proc = procs[key]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(f"{i * (args.epochs + 1)} {args.epochs}\n")
+                proc.stdin.flush()
+                rows, seconds = proc.stdout.readline().split()
+                if i:
+                    results[key].append(int(rows) / float(seconds))
+    finally:
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait()
+    return {key: statistics.median(v) for key, v in results.items()}
+
+
+def per_rank_case(args: argparse.Namespace) -> None:
     checkouts = {"this": str(Path(__file__).resolve().parents[1]), "baseline": str(Path(args.baseline).resolve())}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train"
         x, _ = write_rows(args, path)
-        procs = {}
-        for name, root in checkouts.items():
-            env = dict(os.environ, PYTHONPATH=root)
-            for rank in range(args.world_size):
-                cmd = [sys.executable, "-c", _RANK_READER, str(path), str(rank), str(args.world_size)]
-                cmd += [str(args.batch_size), str(args.workers), str(int(not args.no_read_ahead))]
-                procs[(name, rank)] = subprocess.Popen(
-                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp
-                )
-        results: dict[tuple[str, int], list[float]] = {key: [] for key in procs}
-        try:
-            for i in range(args.repeats + 1):  # the first round warms caches and imports; not counted
-                order = list(procs) if i % 2 else list(reversed(procs))
-                for key in order:
-                    proc = procs[key]
-                    assert proc.stdin is not None and proc.stdout is not None
-                    proc.stdin.write(f"{i * (args.epochs + 1)} {args.epochs}\n")
-                    proc.stdin.flush()
-                    rows, seconds = proc.stdout.readline().split()
-                    if i:
-                        results[key].append(int(rows) / float(seconds))
-        finally:
-            for proc in procs.values():
-                if proc.stdin is not None:
-                    proc.stdin.close()
-                proc.wait()
-    med = {key: statistics.median(v) for key, v in results.items()}
-    print(
-        f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, "
-        f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, {args.workers} reader "
-        f"workers, {args.epochs} epochs back to back per repeat, median of {args.repeats} alternating repeats; "
-        f"this = {checkouts['this']}, "
-        f"baseline = {checkouts['baseline']}"
-    )
-    for rank in range(args.world_size):
-        this, base = med[("this", rank)], med[("baseline", rank)]
         print(
-            f"  rank {rank}: this {this:>10,.0f} rows/s, baseline {base:>10,.0f} rows/s, "
-            f"this / baseline = {this / base:.3f}"
+            f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, "
+            f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, {args.workers} "
+            f"reader workers, {args.epochs} epochs back to back per repeat, medians of {args.repeats} alternating "
+            f"repeats, {args.runs} runs of fresh processes; this = {checkouts['this']}, "
+            f"baseline = {checkouts['baseline']}"
         )
-    mean = {name: statistics.mean(med[(name, r)] for r in range(args.world_size)) for name in checkouts}
-    print(f"  mean per rank: this / baseline = {mean['this'] / mean['baseline']:.3f}  (target >= 0.95)")
+        ratios = []
+        for run in range(args.runs):
+            med = per_rank_run(args, checkouts, path)
+            ranks = ", ".join(
+                f"rank {r} {med[('this', r)]:,.0f} vs {med[('baseline', r)]:,.0f}" for r in range(args.world_size)
+            )
+            mean = {name: statistics.mean(med[(name, r)] for r in range(args.world_size)) for name in checkouts}
+            ratios.append(mean["this"] / mean["baseline"])
+            print(f"  run {run + 1}: rows/s this vs baseline: {ranks}; this / baseline = {ratios[-1]:.3f}")
+    print(
+        f"  this / baseline, rows/s per rank: median of runs {statistics.median(ratios):.3f} "
+        f"(runs {', '.join(f'{r:.3f}' for r in sorted(ratios))}; target >= 0.95)"
+    )
 
 
 def main() -> None:
@@ -288,6 +298,7 @@ def main() -> None:
     p.add_argument("--baseline", default=None, help="another dtf checkout: rows/s per rank, this one vs it")
     p.add_argument("--epochs", type=int, default=3, help="with --baseline: epochs read back to back per repeat")
     p.add_argument("--no-read-ahead", action="store_true", help="with --baseline: no set_epoch(read_ahead=True)")
+    p.add_argument("--runs", type=int, default=5, help="with --baseline: runs, each with fresh processes")
     args = p.parse_args()
     quiet_petastorm()
     torch.set_num_threads(1)
