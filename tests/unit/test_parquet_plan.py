@@ -263,3 +263,19 @@ def test_partitions_problem_names_both_numbers() -> None:
         "data.canonical_partitions=12 does not divide the global batch 40 (world size x data.batch_size)"
     )
     assert partitions_problem(12, 4, 48) is None
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("start_row", [0, 5, 16])
+def test_the_streams_the_reader_reads_by_are_the_steps_laid_end_to_end(pad: bool, start_row: int) -> None:
+    plan = partitions(PARTITIONED, 48, pad)
+    for world in (1, 2, 3, 4, 6, 12):
+        for rank in range(world):
+            steps = plan.rank_steps(world, rank, start_row)
+            streams = plan.rank_streams(world, rank, start_row)
+            assert len(streams) == C12 // world
+            for k, stream in enumerate(streams):
+                assert len(stream) == len(steps) * plan.rows_per_step
+                segments = [seg for step in steps for seg in step[k]]
+                assert stream.pieces.tolist() == [seg.piece for seg in segments for _ in seg.rows]
+                assert stream.rows.tolist() == [int(r) for seg in segments for r in seg.rows]
