@@ -16,6 +16,7 @@ from dtf.data.prepare import build_splits, write_parquet
 from tests.conftest import DtfRun, run_dtf
 from tests.helpers import user_datasets
 from tests.helpers.parquet_files import SKEWED, write_skewed
+from tests.helpers.plan_steps import rank_steps
 from tests.helpers.record_rows import read_batches
 
 BATCH = 16
@@ -43,7 +44,7 @@ def promised_rows(data: Path, world: int, rank: int, epoch: int, remainder: str)
     starts = np.concatenate([[0], np.cumsum(SKEWED)])
     c = auto_partitions(world * BATCH, world)  # data.canonical_partitions=auto
     plan = Partitions(EpochOrder(SKEWED, SEED, epoch, True, True), c, world * BATCH // c, remainder == "pad")
-    segments = [s for step in plan.rank_steps(world, rank) for part in step for s in part]
+    segments = [s for step in rank_steps(plan, world, rank) for part in step for s in part]
     return [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
 
 

@@ -24,6 +24,7 @@ from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from tests.helpers.gloo import run_on_ranks
 from tests.helpers.parquet_files import SKEWED, write_row_groups, write_skewed
+from tests.helpers.plan_steps import rank_steps
 
 
 def config(path: Path | str, **settings: Any) -> PetastormDataConfig:
@@ -72,7 +73,7 @@ def test_skewed_row_groups_give_every_rank_the_same_batches_of_the_promised_rows
             c = auto_partitions(world * batch, world)
             plan = Partitions(order, c, world * batch // c, pad=remainder == "pad")
             starts = np.concatenate([[0], np.cumsum(SKEWED)])
-            segments = [s for step in plan.rank_steps(world, rank) for part in step for s in part]
+            segments = [s for step in rank_steps(plan, world, rank) for part in step for s in part]
             promised = [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
             assert y.tolist() == promised
             used += promised

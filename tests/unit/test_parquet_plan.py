@@ -18,10 +18,10 @@ from dtf.data.parquet.plan import (
     partitions_problem,
     remainder_rows,
     share_bounds,
-    skip_rows,
     train_share,
     world_sizes_for,
 )
+from tests.helpers.plan_steps import rank_steps, skip_rows
 
 SKEWED = [1000, 10, 10, 1]
 
@@ -150,7 +150,7 @@ def partitions(piece_rows: list[int], global_batch: int, pad: bool, epoch: int =
 
 def global_steps(plan: Partitions, world: int, piece_rows: list[int], start_row: int = 0) -> list[list[int]]:
     """Per step, the global batch as the ranks' batches laid end to end in rank order (row ids)."""
-    per_rank = [plan.rank_steps(world, rank, start_row) for rank in range(world)]
+    per_rank = [rank_steps(plan, world, rank, start_row) for rank in range(world)]
     assert len({len(steps) for steps in per_rank}) == 1  # every rank takes the same number of steps
     out = []
     for t in range(len(per_rank[0])):
@@ -234,7 +234,7 @@ def test_no_step_names_an_empty_row_group_and_ranks_read_only_their_partitions()
         for world in (1, 2, 4):
             mine: list[set[int]] = []
             for rank in range(world):
-                steps = plan.rank_steps(world, rank)
+                steps = rank_steps(plan, world, rank)
                 assert all(len(s) > 0 for step in steps for part in step for s in part)
                 mine.append({s.piece for step in steps for part in step for s in part})
                 owned = {s.piece for c in plan.owned(world, rank) for s in plan.rows(c)}
@@ -271,7 +271,7 @@ def test_the_streams_the_reader_reads_by_are_the_steps_laid_end_to_end(pad: bool
     plan = partitions(PARTITIONED, 48, pad)
     for world in (1, 2, 3, 4, 6, 12):
         for rank in range(world):
-            steps = plan.rank_steps(world, rank, start_row)
+            steps = rank_steps(plan, world, rank, start_row)
             streams = plan.rank_streams(world, rank, start_row)
             assert len(streams) == C12 // world
             for k, stream in enumerate(streams):

@@ -17,7 +17,7 @@ world size that divides C.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,18 +128,6 @@ def share_bounds(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
 
 
-def skip_rows(segments: list[Segment], num_skip: int) -> list[Segment]:
-    """The segments without their first num_skip rows (a resume in the middle of an epoch)."""
-    out = []
-    for seg in segments:
-        if num_skip >= len(seg):
-            num_skip -= len(seg)
-            continue
-        out.append(Segment(seg.piece, seg.rows[num_skip:]) if num_skip else seg)
-        num_skip = 0
-    return out
-
-
 def train_share(order: EpochOrder, world_size: int, rank: int, batch_size: int, pad: bool) -> list[Segment]:
     """This rank's rows of the epoch: exactly batches_per_rank(...) * batch_size of them."""
     num_rows = order.num_rows
@@ -206,22 +194,6 @@ def choose_partitions(setting: int | str, recorded: int | None, world_size: int,
     raise UserError(f"{problem}: use {fits}, or data.canonical_partitions=auto")
 
 
-def take_rows(segments: Sequence[Segment], size: int) -> Iterator[list[Segment]]:
-    """Consecutive pieces of size rows each (the segments cut where needed); a short tail is left out."""
-    piece: list[Segment] = []
-    have = 0
-    for seg in segments:
-        i = 0
-        while i < len(seg):
-            take = min(size - have, len(seg) - i)
-            piece.append(Segment(seg.piece, seg.rows[i : i + take]) if (i, take) != (0, len(seg)) else seg)
-            have += take
-            i += take
-            if have == size:
-                yield piece
-                piece, have = [], 0
-
-
 @dataclass(frozen=True)
 class Partitions:
     """One epoch cut into num_partitions canonical partitions, each the same number of steps long."""
@@ -255,14 +227,6 @@ class Partitions:
         steps = max(0, self.rows_per_partition - start_row) // self.rows_per_step
         stop = start_row + steps * self.rows_per_step
         return [stream_of(self.rows(c))[start_row:stop] for c in self.owned(world_size, rank)]
-
-    def rank_steps(self, world_size: int, rank: int, start_row: int = 0) -> list[list[list[Segment]]]:
-        """This rank's steps from start_row of every partition on: per step, per owned partition,
-        the segments of its b rows (a rank's batch is their concatenation, in this order)."""
-        streams = [
-            take_rows(skip_rows(self.rows(c), start_row), self.rows_per_step) for c in self.owned(world_size, rank)
-        ]
-        return [list(step) for step in zip(*streams, strict=True)]
 
 
 def eval_share(piece_rows: Sequence[int], world_size: int, rank: int) -> tuple[list[Segment], int]:
