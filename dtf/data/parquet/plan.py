@@ -223,7 +223,7 @@ class Partitions:
 
     def rank_streams(self, world_size: int, rank: int, start_row: int = 0) -> list[Stream]:
         """This rank's partitions from start_row on, cut to whole steps: step t takes rows
-        [t b, (t + 1) b) of each (rank_steps as arrays, what the reader reads by)."""
+        [t b, (t + 1) b) of each: the rows the reader reads, as arrays."""
         steps = max(0, self.rows_per_partition - start_row) // self.rows_per_step
         stop = start_row + steps * self.rows_per_step
         return [stream_of(self.rows(c))[start_row:stop] for c in self.owned(world_size, rank)]
