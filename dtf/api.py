@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtf.errors import UserError, config_error_line
+from dtf.files import make_dir
 from dtf.results import Finished, Stopped, Submitted
 
 if TYPE_CHECKING:
@@ -56,10 +57,10 @@ def run(
     from dtf.cli import freeze, launch_frozen, stop_line
 
     cfg, default_dir, _ = _compose(list(overrides or []), config_dir, "run")
-    sections = freeze(cfg)  # bad input raises here, before anything is written
-    directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
+    frozen = freeze(cfg)  # bad input raises here, before anything is written
+    directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     _write_hydra_files(cfg, list(overrides or []), directory)
-    result = launch_frozen(sections, cfg, str(directory))
+    result = launch_frozen(frozen, str(directory))
     return _summary(result, str(directory), stop_line)
 
 
@@ -67,7 +68,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     """The checks `python -m dtf` makes before anything starts, on a config you composed yourself
     (Hydra's compose API on `dtf.conf`, or on a tree of your own that puts `pkg://dtf.conf` on its
     search path). Raises dtf.UserError with the line the command line prints after `dtf: error:`;
-    returns the config's typed sections. cfg is left as it is (a resolved copy is checked; a
+    returns it typed (dtf.config.typed.RunConfig). cfg is left as it is (a resolved copy is checked; a
     `hydra` node, from compose(..., return_hydra_config=True), is not the run's and is left out)."""
     from dtf.cli import check
 
@@ -106,13 +107,13 @@ def run_function(
         raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
     given = list(overrides or [])
     cfg, default_dir, _ = _compose([*given, "trainer.fn=null"], config_dir, "run")
-    sections = freeze(cfg)
+    frozen = freeze(cfg)
     payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
-    directory = _make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
+    directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     _write_hydra_files(cfg, given, directory)
     # a name for the launchers' logs (a partial has none)
     rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
-    result = launch_frozen(sections, cfg, str(directory), rank_fn)
+    result = launch_frozen(frozen, str(directory), rank_fn)
     return _summary(result, str(directory), stop_line)
 
 
@@ -142,7 +143,7 @@ def sweep(
     params = hydra_cfg.sweeper.get("params") or {}
     in_config = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     points = [p for batch in BasicSweeper.split_arguments([*in_config, *parsed], None) for p in batch]
-    root = _make_dir(sweep_dir or default_dir, "sweep_dir" if sweep_dir else "hydra.sweep.dir")
+    root = make_dir(sweep_dir or default_dir, "sweep_dir" if sweep_dir else "hydra.sweep.dir")
     summaries = []
     for num, point in enumerate(points):
         summaries.append(run(point, config_dir=config_dir, run_dir=str(root / str(num))))
@@ -206,16 +207,6 @@ def _no_hydra_running() -> Iterator[None]:
         GlobalHydra.instance().clear()
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
-
-
-def _make_dir(path: str, key: str) -> Path:
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"{key}={path} cannot be made ({e.strerror or type(e).__name__}): give {key} a directory you can write to"
-        ) from None
-    return Path(path).resolve()
 
 
 def _write_hydra_files(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:

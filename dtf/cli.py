@@ -22,9 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtf import hydra_sweep, launch
 from dtf.config.typed import RunConfig
-from dtf.config.validate import check_canonical_partitions, validate
 from dtf.errors import Interrupted, RankFailedError, UserError, config_error_line
+from dtf.files import make_dir
 from dtf.launch.base import WorkerFn
+from dtf.preflight import check_canonical_partitions, validate
 from dtf.rank import rank_main
 from dtf.results import (
     EXIT_FAILED,
@@ -47,31 +48,29 @@ def absolute_pythonpath() -> None:
 
 def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """Validate, freeze and launch one run. Callable without Hydra's command line."""
-    return launch_frozen(freeze(cfg), cfg, run_dir)
+    return launch_frozen(freeze(cfg), run_dir)
 
 
 def freeze(cfg: DictConfig) -> RunConfig:
-    """Resolve, check (UserError: one line) and freeze the config; returns its typed sections."""
+    """Resolve, check (UserError: one line) and freeze the config; returns it typed."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
-    sections = check(cfg)
+    run = check(cfg)
     OmegaConf.set_readonly(cfg, True)
-    return sections
+    return run
 
 
 def check(cfg: DictConfig) -> RunConfig:
     """Every check a run makes on the driver before anything starts (dtf.validate from Python)."""
-    sections = validate(cfg)
-    hydra_sweep.check_direction(sections.trainer.objective_mode.value)
-    return sections
+    run = validate(cfg)
+    hydra_sweep.check_direction(run.trainer.objective_mode.value)
+    return run
 
 
-def launch_frozen(
-    sections: RunConfig, cfg: DictConfig, run_dir: str, rank_fn: WorkerFn = rank_main
-) -> RunResult | None:
+def launch_frozen(run: RunConfig, run_dir: str, rank_fn: WorkerFn = rank_main) -> RunResult | None:
     # Where checkpoint.resume=auto looks is known only now: a recorded data sequence the world size cannot use.
-    check_canonical_partitions(sections, Path(run_dir))
-    return launch.build(sections.launcher).launch(rank_fn, cfg, run_dir)
+    check_canonical_partitions(run, Path(run_dir))
+    return launch.build(run).launch(rank_fn, run.composed, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:
@@ -118,14 +117,9 @@ class RunDirCheck(Callback):
 
 def _make_dir(path: str, key: str) -> None:
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(
-            f"dtf: error: {key}={path} cannot be made ({e.strerror or type(e).__name__}): "
-            f"give {key} a directory you can write to",
-            file=sys.stderr,
-            flush=True,
-        )
+        make_dir(path, key)
+    except UserError as e:
+        print(f"dtf: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
@@ -147,41 +141,10 @@ def run_point(cfg: DictConfig, run_dir: str, value_sweep: bool = False) -> float
 
     A run whose ranks failed, or that a stop signal ended, exits with its status (1, 75): a failure
     never looks clean, and Hydra's basic sweeper ends there. In a value_sweep it prints the same
-    line and returns None instead, which Hydra's Optuna sweeper records as a failed trial before it
-    goes on. So does a run whose objective is NaN (diverged). Not NaN itself: hydra-optuna-sweeper
-    1.3.0's _impl.py (OptunaSweeperImpl.sweep) does, for each job it launched,
-
-        values: Optional[List[float]] = None
-        state: optuna.trial.TrialState = optuna.trial.TrialState.COMPLETE
-        try:
-            if len(directions) == 1:
-                try:
-                    values = [float(ret.return_value)]
-                except (ValueError, TypeError):
-                    raise ValueError(
-                        f"Return value must be float-castable. Got '{ret.return_value}'."
-                    ).with_traceback(sys.exc_info()[2])
-            ...
-            study.tell(trial=trial, state=state, values=values)
-            ...
-        except Exception as e:
-            state = optuna.trial.TrialState.FAIL
-            study.tell(trial=trial, state=state, values=values)
-            log.warning(f"Failed experiment: {e}")
-            failures.append(e)
-        ...
-        if len(failures) / len(returns) > self.max_failure_rate:
-            ...
-            for ret in returns:
-                ret.return_value  # delegate raising to JobReturn, with actual traceback
-
-    A NaN passes float(), Optuna 2.10's tell refuses it (ValueError "the objective function returned
-    nan"), and the second tell, now with state FAIL but values=[nan], raises "Values cannot be
-    specified when state is ... FAIL" out of the sweep: it crashes. None fails float(), so values
-    stays None, the trial is told FAIL, and the sweep goes on: the max_failure_rate check only
-    re-raises a job's own exception (`ret.return_value` of a job that raised), and this job returned.
-    Raising here instead (any Exception) would end the sweep unless hydra.sweeper.max_failure_rate
-    allows it; a SystemExit ends it at once (Hydra's run_job catches only Exception).
+    line and returns None instead, and so does a run whose objective is NaN: hydra-optuna-sweeper
+    1.3.0 records a None it cannot float() as a failed trial and goes on, while a NaN makes Optuna
+    2.10 refuse the value and the sweeper crash on its second tell; an exception would end the
+    sweep unless hydra.sweeper.max_failure_rate allowed it.
     """
     try:
         result = run(cfg, run_dir)

@@ -11,7 +11,6 @@ these without importing the training stack.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dtf.errors import RankFailedError, UserError, user_error_in
+from dtf.files import write_atomically
 
 FAILURES_DIR = Path("logs") / "failures"
 
@@ -62,9 +62,7 @@ def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -
     failure = RankFailure(rank, time.time_ns(), user is not None, message, traceback.format_exc())
     path = _attempt_dir(run_dir, attempt) / f"rank_{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(failure)))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(asdict(failure)))
     return failure
 
 

@@ -1,7 +1,11 @@
-"""The function every launcher starts on every rank: train, return the outcome, or record why not.
+"""What every launcher starts on every rank: set the process up, join the group, run dtf's loop
+(dtf.train.loop) or the user's function (dtf.train.function), and return how the run ended, or
+record why it did not.
 
-It lives in this light module and imports the training stack only in the rank, so the driver
-(which composes, validates and launches) does not pay for importing it.
+The config arrives resolved and frozen from the driver and becomes the run's typed config here,
+once (dtf.config.typed); the rank never looks at sys.argv, so multirun jobs and any launcher can
+ship it as it is. This module imports the training stack only inside the rank: the driver, which
+names rank_main, does not pay for importing it.
 """
 
 from __future__ import annotations
@@ -10,12 +14,19 @@ import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dtf import failures
 from dtf.errors import user_error_in
 from dtf.results import EXIT_USER_ERROR, RunResult
+
+if TYPE_CHECKING:
+    from dtf.config.typed import RunConfig
+    from dtf.dist.env import DistEnv
+    from dtf.signals import StopRequest
 
 LOST_PEER_GRACE_S = 1.0  # ten of the agent's polls (launcher.monitor_interval=0.1)
 
@@ -23,11 +34,10 @@ LOST_PEER_GRACE_S = 1.0  # ten of the agent's polls (launcher.monitor_interval=0
 def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
     """Rank 0 returns how the run ended (the others None, or Stopped like rank 0). A failure is
     recorded for the driver (dtf.failures) and ends the rank, a user error with exit status 2 (the
-    driver prints its one line), anything else with 1, so the launcher stops the peers."""
+    driver prints its one line), anything else with 1, so the launcher stops the peers.
+    payload: dtf.run_function's function and objects."""
     try:
-        from dtf.worker import worker_main
-
-        return worker_main(cfg, run_dir, payload)
+        return run_rank(cfg, run_dir, payload)
     except Exception as e:
         from dtf.dist.env import attempt_number, rank_from_env
 
@@ -35,11 +45,9 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
         status = EXIT_USER_ERROR if user_error_in(e) is not None else 1  # (also when Hydra wraps it)
         if multiprocessing.parent_process() is not None:
             # A rank the local launcher spawned: out at once, with nothing run on the way. The
-            # error is recorded (the driver prints it, and a crash's traceback), and the
-            # interpreter's exit would tear down the process group with its threads, or the ranks'
-            # asynchronous exchange, still running, which aborts the process ("terminate called
-            # without an active exception" and Python's dump of its extension modules): any
-            # failure, bad input too, would end as a crash by SIGABRT.
+            # interpreter's exit would tear down the process group with its threads (or the ranks'
+            # asynchronous exchange) still running, which aborts the process ("terminate called
+            # without an active exception"): any failure, bad input too, would end as a SIGABRT.
             if status != EXIT_USER_ERROR:  # what elastic's @record keeps on the way out: the
                 # error file, in the rank's log directory, which the driver names
                 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -55,3 +63,78 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
         if status == EXIT_USER_ERROR:
             raise SystemExit(EXIT_USER_ERROR) from None
         raise
+
+
+def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
+    """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
+    when a stop signal ended the run early."""
+    from dtf.config.typed import typed
+    from dtf.dist import env as dist_env
+
+    run = typed(cfg)
+    stop_request = prepare_process(run)
+    t = run.trainer
+    env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
+    across_nodes = env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    if across_nodes:
+        run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
+    # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
+    directory = Path(dist_env.broadcast_from_main(run_dir))
+    if across_nodes:
+        from dtf.launch.nodes import record_nodes
+
+        record_nodes(directory, env)
+    if payload is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function
+        from dtf.train import function
+
+        stop_request.restore()  # the function owns its loop: no step to stop at, signals act as usual
+        result: RunResult | None = function.run(run, env, directory, function.load(payload))
+    else:
+        from dtf.train import loop
+
+        result = loop.run(run, env, directory, stop_request)
+    stop_request.restore()
+    # Only on success: after an error the group must stay up until the error is recorded, or the
+    # peers see "connection closed" first and the report blames the wrong rank.
+    dist_env.destroy()
+    return result
+
+
+def prepare_process(run: RunConfig) -> StopRequest:
+    """The rank's environment, its share of the machine's cores, and its stop-signal handlers."""
+    import torch
+
+    from dtf.machine import threads_per_rank
+    from dtf.signals import StopRequest
+
+    for key, value in run.launcher.env.items():
+        os.environ.setdefault(str(key), str(value))
+    if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a machine split its cores
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # From the start: a stop signal that arrives while the run is still setting up is not lost.
+    return StopRequest(run.checkpoint.stop_signals, sigint_kills=True)
+
+
+def agree_on_config(run: RunConfig, env: DistEnv) -> RunConfig:
+    """Rank 0's config, on every rank; a node whose own config differed says so, once."""
+    from dtf.dist.env import broadcast_from_main
+
+    main: RunConfig = broadcast_from_main(run)
+    if not env.is_main and int(os.environ.get("LOCAL_RANK", "0")) == 0 and _shared(main) != _shared(run):
+        print(
+            f"dtf: this node's config differs from rank 0's (node {os.environ.get('GROUP_RANK', '?')}): "
+            "it runs rank 0's, as every node does",
+            flush=True,
+        )
+    return main
+
+
+def _shared(run: RunConfig) -> str:
+    """Digest of what the nodes must agree on: all but the keys that name the node itself."""
+    from dtf.train.summary import config_sha256
+
+    mine = OmegaConf.to_container(run.composed, resolve=True)
+    assert isinstance(mine, dict)
+    for key in ("node_rank", "network_interface"):
+        mine["launcher"].pop(key, None)
+    return config_sha256(OmegaConf.create(mine))

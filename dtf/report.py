@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.experimental.callback import Callback
 
 from dtf.errors import UserError
+from dtf.files import write_atomically
 from dtf.results import EXIT_USER_ERROR
 
 if TYPE_CHECKING:
@@ -556,10 +557,8 @@ def build(sweep_dir: str | os.PathLike[str]) -> Path:
     sweep = Sweep.of(load(path))
     text = render(sweep, path)
     report = path / REPORT_FILE
-    tmp = path / (REPORT_FILE + ".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, report)
+        write_atomically(report, text)
     except OSError as e:
         why = e.strerror or type(e).__name__
         raise UserError(f"cannot write {report} ({why}): give a sweep directory you can write to") from None

@@ -4,8 +4,8 @@ Each option YAML in `conf/<group>/` starts from one of these (via its defaults l
 so a misspelled key or a wrong type fails when Hydra composes the config, before any
 process starts. Each checks its own values in __post_init__, which runs when the composed
 section becomes the dataclass its component receives (dtf.config.typed); rules that span
-sections or look at the machine are in dtf.config.validate. What users own (model, optimizer,
-loss, scheduler, dataset) stays free-form and is built by `_target_`.
+sections or look at the machine are the driver's pre-flight (dtf.preflight). What users own
+(model, optimizer, loss, scheduler, dataset) stays free-form and is built by `_target_`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from dtf.errors import UserError, require
+from dtf.signals import STOPPABLE_SIGNALS
 
 # trainer.precision: 32 (fp32), *-mixed (autocast around forward and loss; fp16 adds a gradient
 # scaler), bf16-true (the parameters themselves in bf16). dtf.train.precision gives them effect.
@@ -26,8 +27,6 @@ PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 COMPILE_MODES = (False, True, "blocks")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEVICES = ("auto", "cpu", "cuda")
-# Signals a run can treat as a stop request (the same list as dtf.train.stop, without importing it).
-STOPPABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 # data.feature_dtype: the dtype features (and float labels) arrive in; auto = torch's default dtype,
 # the one the model's parameters are created in unless it says otherwise.
 FEATURE_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
@@ -256,17 +255,33 @@ class Fetch(str, Enum):
 
 
 @dataclass
-class LoaderDataConfig:
-    """A map-style dataset through torch's DataLoader and DistributedSampler."""
+class BaseDataConfig:
+    """What every kind of data has: which reader, and the batch sizes."""
 
     # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
-    kind: str = "loader"
-    # _target_ of a callable returning a Dataset (train only) or a (train, test) pair.
-    dataset: Any = MISSING
+    kind: str = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32
     # Defaults to batch_size.
     eval_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "data.batch_size", self.batch_size, "use a per-rank batch size of 1 or more")
+        require(
+            self.eval_batch_size is None or self.eval_batch_size >= 1,
+            "data.eval_batch_size",
+            self.eval_batch_size,
+            "use 1 or more, or null for data.batch_size",
+        )
+
+
+@dataclass
+class LoaderDataConfig(BaseDataConfig):
+    """A map-style dataset through torch's DataLoader and DistributedSampler."""
+
+    kind: str = "loader"
+    # _target_ of a callable returning a Dataset (train only) or a (train, test) pair.
+    dataset: Any = MISSING
     shuffle: bool = True
     drop_last: bool = False
     num_workers: int = 0
@@ -276,18 +291,8 @@ class LoaderDataConfig:
     fetch: Fetch = Fetch.auto
 
     def __post_init__(self) -> None:
-        check_batch_sizes(self.batch_size, self.eval_batch_size)
+        super().__post_init__()
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "use 0 (load in the rank) or more")
-
-
-def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
-    require(batch_size >= 1, "data.batch_size", batch_size, "use a per-rank batch size of 1 or more")
-    require(
-        eval_batch_size is None or eval_batch_size >= 1,
-        "data.eval_batch_size",
-        eval_batch_size,
-        "use 1 or more, or null for data.batch_size",
-    )
 
 
 class Remainder(str, Enum):
@@ -310,10 +315,9 @@ class ReaderPool(str, Enum):
 
 
 @dataclass
-class PetastormDataConfig:
+class PetastormDataConfig(BaseDataConfig):
     """Parquet or a Petastorm dataset read through Petastorm, with the same number of batches on every rank."""
 
-    # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
     kind: str = "petastorm"
     # The training data: a Parquet file or directory, or a Petastorm dataset, as a local path or a
     # URL (file://, hdfs://, s3://, gs://, ... whatever Petastorm and fsspec resolve).
@@ -334,10 +338,6 @@ class PetastormDataConfig:
     # A callable by _target_, or a list of them applied in order, to every (features, labels) batch:
     # dtf.data.transforms.Scale, Normalize, Reshape, Permute, or your own.
     transform: Any = None
-    # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
-    batch_size: int = 32
-    # Defaults to batch_size.
-    eval_batch_size: int | None = None
     # Seeded by trainer.seed and different every epoch.
     shuffle_row_groups: bool = True
     shuffle_rows: bool = True
@@ -357,7 +357,7 @@ class PetastormDataConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_batch_sizes(self.batch_size, self.eval_batch_size)
+        super().__post_init__()
         if not self.feature_columns:
             raise UserError("data.feature_columns is empty: name the column(s) that form the model input")
         require(

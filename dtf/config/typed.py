@@ -1,8 +1,10 @@
-"""The sections of a run that dtf owns, as the dataclasses their components receive.
+"""A run's config as its components receive it: the sections dtf owns as dataclasses, the parts
+users own as composed.
 
 The composed config travels as an OmegaConf DictConfig (resolved and frozen on the driver, pickled
-to the ranks); each component gets its section as a plain dataclass instead, built here with
-OmegaConf.to_object, which runs the dataclass's own checks (__post_init__).
+to the ranks). Where a rank starts (and on the driver, to check it) it becomes one RunConfig, made
+once and passed down: each dtf section a plain dataclass, built with OmegaConf.to_object, which
+runs the dataclass's own checks (__post_init__).
 """
 
 from __future__ import annotations
@@ -43,16 +45,23 @@ class RunConfig:
     data: DataConfig
     strategy: StrategyConfig
     launcher: LauncherConfig
+    # Set on each trial by hydra/sweeper=dtf; None outside a search.
+    trial: schema.TrialConfig | None
+    # The whole config as composed: what users own (model, optimizer, scheduler, loss, metrics) is
+    # built from it by _target_ where it is used, and a run's record digests it.
+    composed: DictConfig
 
 
 def typed(cfg: DictConfig) -> RunConfig:
-    """The sections of cfg as dataclasses; a bad value is one line naming its key (UserError)."""
+    """cfg as a RunConfig; a bad value is one line naming its key (UserError)."""
     return RunConfig(
         trainer=section(cfg, "trainer", schema.TrainerConfig),
         checkpoint=section(cfg, "checkpoint", schema.CheckpointConfig),
         data=section(cfg, "data", DATA["petastorm" if _is_petastorm(cfg.data) else "loader"]),
         strategy=section(cfg, "strategy", _by_name(cfg.strategy, STRATEGIES, "strategy")),
         launcher=section(cfg, "launcher", _by_name(cfg.launcher, LAUNCHERS, "launcher")),
+        trial=section(cfg, "trial", schema.TrialConfig) if cfg.get("trial") is not None else None,
+        composed=cfg,
     )
 
 

@@ -12,13 +12,13 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
+from dtf import signals
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.config.typed import DataConfig
 from dtf.data.fetch import fetching
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.train import stop
 
 
 class TrainData(Protocol):
@@ -43,6 +43,18 @@ class TrainData(Protocol):
 
     def close(self) -> None:
         """The run reads no more batches: stop what reads ahead."""
+        ...
+
+    @property
+    def num_partitions(self) -> int | None:
+        """The canonical partitions every epoch is cut into (Parquet: the same steps on any world
+        size that divides it); None for data read in per-rank shares."""
+        ...
+
+    def seek(self, epoch: int, samples_in_epoch: int) -> int:
+        """The batch a resumed run starts epoch `epoch` at, samples_in_epoch (over all ranks) of it
+        used: the first batch whose samples were not all used, or (data that can) the batch that
+        continues from the very sample reached."""
         ...
 
     def samples_after(self, num_batches: int) -> int:
@@ -90,6 +102,7 @@ class LoaderTrainData:
     fetched_by_batch: bool = False  # data.fetch (dtf.data.fetch)
     # The samples consumed mid-epoch are a prefix of the sampler's global order, on any world size.
     position_survives_world_size_change = True
+    num_partitions = None
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -104,6 +117,12 @@ class LoaderTrainData:
 
     def close(self) -> None:
         """Nothing reads ahead across epochs here."""
+
+    def seek(self, epoch: int, samples_in_epoch: int) -> int:
+        start = min(len(self), samples_in_epoch // self.samples_after(1))
+        while start < len(self) and self.samples_after(start + 1) <= samples_in_epoch:  # a short last batch
+            start += 1
+        return start
 
     def samples_after(self, num_batches: int) -> int:
         # Every rank's share has the same length (DistributedSampler pads or cuts); the last batch may be short.
@@ -158,9 +177,9 @@ class LoaderEvalData:
 
 def ignore_stop_signals(worker_id: int) -> None:
     """worker_init_fn of the DataLoader workers: the rank handles stop signals, its workers ignore
-    them (dtf.train.stop.ignore_stop_signals). Torch installs its own SIGTERM handler in a worker
+    them (dtf.signals.ignore_stop_signals). Torch installs its own SIGTERM handler in a worker
     before this runs; a worker still exits when the DataLoader shuts it down or the rank dies."""
-    stop.ignore_stop_signals()
+    signals.ignore_stop_signals()
 
 
 def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:

@@ -100,7 +100,7 @@ def write_parquet(features: np.ndarray, labels: np.ndarray, directory: Path, row
 def spark_session(master: str) -> Any:
     from pyspark.sql import SparkSession
 
-    from dtf.launch.spark import require_java
+    from dtf.machine import require_java
 
     require_java("--format petastorm (written with Spark)")
     # Spark's Python workers must be this interpreter (this venv), not whatever `python` is on PATH.

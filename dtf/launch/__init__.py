@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dtf.config.typed import LauncherConfig
+from dtf.config.typed import RunConfig
 from dtf.launch.base import Launcher
 from dtf.launch.local import LocalLauncher
 from dtf.launch.slurm import SlurmLauncher
@@ -15,5 +15,5 @@ REGISTRY: dict[str, type[Launcher]] = {
 }
 
 
-def build(cfg: LauncherConfig) -> Launcher:
-    return REGISTRY[cfg.name](cfg)
+def build(run: RunConfig) -> Launcher:
+    return REGISTRY[run.launcher.name](run.launcher, run.checkpoint)

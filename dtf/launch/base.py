@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from dtf.config.schema import CheckpointConfig
 from dtf.errors import RankFailedError
 from dtf.results import Finished, RunResult, Stopped
 
@@ -19,8 +20,10 @@ WorkerFn = Callable[[DictConfig, str], Any]
 
 
 class Launcher(ABC):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, checkpoint: CheckpointConfig | None = None) -> None:
         self.cfg = cfg  # the launcher's config dataclass (dtf.config.schema)
+        # Where the run's checkpoints are, and the signals that stop it (the defaults if not given).
+        self.checkpoint = checkpoint or CheckpointConfig()
 
     @abstractmethod
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import multiprocessing
 import os
@@ -33,6 +32,7 @@ from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
+from dtf.machine import threads_per_rank
 from dtf.results import RunResult, Stopped
 
 
@@ -46,7 +46,7 @@ class LocalLauncher(Launcher):
         nproc = self.cfg.nproc
         min_nodes, max_nodes = self.cfg.node_range()
         nodes = Nodes.of(self.cfg) if max_nodes > 1 else None
-        stop_signals = list(cfg.checkpoint.stop_signals)
+        stop_signals = list(self.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}
         logs = DefaultLogsSpecs(
             log_dir=str(Path(run_dir) / "logs"),
@@ -87,12 +87,12 @@ class LocalLauncher(Launcher):
         start_resource_tracker_ignoring(stop_signals)
         failures.clear(run_dir)
         forwarding = StopForwarding(stop_signals)
-        checkpoints = Path(run_dir) / cfg.checkpoint.dir
+        checkpoints = Path(run_dir) / self.checkpoint.dir
         try:
             with (
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
-                threads_per_rank(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
+                sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
             ):
                 # (with fn's name: elastic logs it)
@@ -176,7 +176,7 @@ def temp_files_in(directory: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def threads_per_rank(nproc: int, configured: Any = None) -> Iterator[None]:
+def sized_thread_pools(nproc: int, configured: Any = None) -> Iterator[None]:
     """The ranks share this machine's cores: each rank's thread pools (torch's, and the OpenMP and
     BLAS pools that size themselves from OMP_NUM_THREADS when a rank imports them) get its share,
     as torchrun does, unless the user set OMP_NUM_THREADS (in the environment, or as
@@ -185,7 +185,7 @@ def threads_per_rank(nproc: int, configured: Any = None) -> Iterator[None]:
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return
-    os.environ["OMP_NUM_THREADS"] = str(configured or max(1, (os.cpu_count() or 1) // nproc))
+    os.environ["OMP_NUM_THREADS"] = str(configured or threads_per_rank(nproc))
     try:
         yield
     finally:
@@ -230,18 +230,17 @@ def died_of(e: ChildFailedError, signal_name: str) -> bool:
 
 def newest_checkpoint(signal_name: str, checkpoint_root: Path) -> Stopped:
     """Where a run stands when the ranks could not say so themselves: what is on disk counts."""
-    from dtf.train.checkpoint import MARKER, committed  # only on this path: it loads torch.distributed.checkpoint
+    from dtf.train.checkpoint import committed, read_marker  # only here: it loads torch.distributed.checkpoint
 
     newest = committed(checkpoint_root)[:1]
     if not newest:
         return Stopped(signal_name, None, None)
-    step = int(json.loads((newest[0] / MARKER).read_text())["step"])
-    return Stopped(signal_name, step, str(newest[0]))
+    return Stopped(signal_name, read_marker(newest[0]).step, str(newest[0]))
 
 
 class StopForwarding:
     """Passes stop signals that reach this process (the agent) on to the ranks it started, which
-    agree on a step, save and return (dtf.train.stop). The ranks are this process's
+    agree on a step, save and return (dtf.signals). The ranks are this process's
     multiprocessing children (elastic starts them with torch.multiprocessing). A second signal
     to this process is the usual "I mean it": the agent kills the ranks without waiting."""
 

@@ -13,7 +13,7 @@ In each task the rendezvous comes from the SLURM environment (submitit's
 TorchDistributedEnvironment: the allocation's first node, a port derived from the job id).
 
 Preemption and time limits: SLURM sends launcher.signal (SIGUSR1 by default, launcher.signal_delay_s
-before the end); the ranks agree, checkpoint and stop (dtf.train.stop), rank 0 requeues the job
+before the end); the ranks agree, checkpoint and stop (dtf.signals), rank 0 requeues the job
 with `scontrol requeue`, and the requeued job resumes from that checkpoint in the same run dir.
 """
 
@@ -55,11 +55,11 @@ def inside_allocation() -> bool:
 class SlurmRank:
     """What every task of the job runs (pickled by submitit): join the group, train, report."""
 
-    def __init__(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> None:
-        self.fn, self.cfg, self.run_dir = fn, cfg, run_dir
+    def __init__(self, fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> None:
+        self.fn, self.cfg, self.run_dir, self.requeue = fn, cfg, run_dir, requeue
 
     def __call__(self) -> RunResult | None:
-        return run_as_task(self.fn, self.cfg, self.run_dir, requeue=bool(self.cfg.launcher.requeue))
+        return run_as_task(self.fn, self.cfg, self.run_dir, requeue=self.requeue)
 
 
 def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> RunResult | None:
@@ -190,7 +190,7 @@ class SlurmLauncher(Launcher):
         logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
         executor = self._executor(run_dir)
         try:
-            job = executor.submit(SlurmRank(fn, cfg, run_dir))
+            job = executor.submit(SlurmRank(fn, cfg, run_dir, self.cfg.requeue))
         except submitit.core.utils.FailedJobError as e:  # sbatch refused it: its own words, one line
             reason = " ".join(str(e).split("\n")[-3:]).strip()
             raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None

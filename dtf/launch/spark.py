@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import socket
 import sys
 import threading
@@ -31,6 +30,7 @@ from dtf import failures
 from dtf.config.schema import SparkLauncherConfig
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.base import Launcher, LogTail, WorkerFn, rank_result
+from dtf.machine import require_java
 from dtf.results import RunResult
 
 LOG_DIR = "logs/spark"
@@ -96,17 +96,6 @@ def _interface_env(rank0_host: str) -> dict[str, str]:
     address = route_source(socket.gethostbyname(rank0_host), 9)
     names = [name for _, name in socket.if_nameindex() if interface_address(name) == address]
     return {key: names[0] for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} if names else {}
-
-
-def require_java(what: str) -> None:
-    """Spark runs on the JVM: without Java it fails deep inside pyspark; say so in one line first."""
-    java_home = os.environ.get("JAVA_HOME")
-    if (java_home and (Path(java_home) / "bin" / "java").is_file()) or shutil.which("java"):
-        return
-    raise UserError(
-        f"{what} needs Java, which Spark runs on, and there is none (no java on PATH, no JAVA_HOME): install a "
-        "JDK or JRE 17 (e.g. apt-get install -y openjdk-17-jre-headless) or set JAVA_HOME"
-    )
 
 
 def _check_master_reachable(master: str) -> None:

@@ -23,6 +23,15 @@ from torch.optim import Optimizer
 from dtf.dist.env import DistEnv
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+# The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
+# FSDP2 family's MixedPrecisionPolicy compute in it.
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
+    """An OptimizerFactory for setup() where the optimizer comes from elsewhere (ZeRO-1's sharded
+    one, a function's own): the model is wrapped, and the optimizer returned is None."""
+    return None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

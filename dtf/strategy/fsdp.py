@@ -18,8 +18,7 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import OptimizerFactory, StateShares, Strategy, initialise
-from dtf.train.precision import AUTOCAST_DTYPES
+from dtf.strategy.base import AUTOCAST_DTYPES, OptimizerFactory, StateShares, Strategy, initialise
 
 
 def find_blocks(

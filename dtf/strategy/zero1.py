@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from dtf.strategy.base import (
     StateShares,
     local_state_bytes,
     materialise_whole,
+    no_optimizer,
     parameter_and_grad_bytes,
 )
 from dtf.strategy.ddp import DDPStrategy
@@ -407,7 +408,7 @@ class Zero1Strategy(DDPStrategy):
             )
         optimizer = ShardedOptimizer(template, {p: name for name, p in model.named_parameters()})
         del template  # its state, if its class makes any up front (Adagrad), would be the whole model's
-        wrapped, _ = super().setup(model, _no_optimizer, env)
+        wrapped, _ = super().setup(model, no_optimizer, env)  # ShardedOptimizer is the optimizer
         return wrapped, optimizer
 
     def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -423,10 +424,6 @@ class Zero1Strategy(DDPStrategy):
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         sharded = _sharded(optimizer)
         return parameter_and_grad_bytes(model) + sharded.padding_bytes + local_state_bytes(sharded.local)
-
-
-def _no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
-    return None  # type: ignore[return-value]  # DDPStrategy.setup's optimizer: ShardedOptimizer replaces it
 
 
 def _sharded(optimizer: Optimizer) -> ShardedOptimizer:

@@ -34,6 +34,8 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.errors import UserError
+from dtf.files import write_json
+from dtf.machine import threads_per_rank
 from dtf.results import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
 from dtf.sweep.settings import SweeperSettings
 from dtf.sweep.space import SearchSpace, search_space
@@ -179,7 +181,7 @@ class Sweep:
             "started": time.time(),
             "resumed": resumed,
         }
-        _write_json(trial_dir / TRIAL_FILE, record)
+        write_json(trial_dir / TRIAL_FILE, record)
         log = open(trial_dir / LOG_FILE, "ab")  # noqa: SIM115 (closed when the trial ends)
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=self.trial_env(), preexec_fn=_end_with_parent
@@ -212,7 +214,7 @@ class Sweep:
             # A stop signal reached the trial alone (not the sweep): it stopped at a checkpoint, and
             # stays running in the study, so that the next run of the sweep continues it from there.
             r.record.update(state="stopped")
-            _write_json(trial_dir / TRIAL_FILE, r.record)
+            write_json(trial_dir / TRIAL_FILE, r.record)
             self.stopped.append(r.trial.number)
             print(
                 f"dtf: trial {r.trial.number} stopped at a checkpoint (by a stop signal); the same command "
@@ -231,7 +233,7 @@ class Sweep:
             state, text = optuna.trial.TrialState.FAIL, f"failed ({why}; see {trial_dir / LOG_FILE})"
             study.tell(r.trial.number, state=state)
         r.record.update(state=state.name.lower(), value=value, epochs=summary.get("epochs") if summary else None)
-        _write_json(trial_dir / TRIAL_FILE, r.record)
+        write_json(trial_dir / TRIAL_FILE, r.record)
         print(f"dtf: trial {r.trial.number} {text} ({len(self.running)} running)", flush=True)
 
     def conclude(self, study: optuna.Study) -> None:
@@ -243,7 +245,7 @@ class Sweep:
             best = study.best_trial
             params = " ".join(f"{k}={_show(v)}" for k, v in best.params.items())
             best_line = f"best trial {best.number}: {self.objective} {best.value:.6g} with {params}"
-            _write_json(
+            write_json(
                 self.dir / "best.json",
                 {"number": best.number, "value": best.value, "params": best.params, "objective": self.objective},
             )
@@ -277,7 +279,7 @@ class Sweep:
         launcher = self.config.get("launcher", {})
         if "OMP_NUM_THREADS" not in env and launcher.get("name") == "local":
             ranks = self.s.parallel * int(launcher.get("nproc", 1))
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+            env["OMP_NUM_THREADS"] = str(threads_per_rank(ranks))
         return env
 
     def passthrough(self) -> list[str]:
@@ -339,9 +341,3 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)

@@ -4,7 +4,7 @@ atomically (write, fsync, rename), once every rank has finished writing.
 
 Layout: <run_dir>/checkpoints/step_<global step>/
     .metadata, __<rank>_0.distcp   DCP: model and optimizer state (resharded on load)
-    rank_<r>.pt                    this rank's RNG states (torch.save, loaded with weights_only)
+    rank_<r>.pt                    this rank's RNG states (dtf.train.rng; loaded with weights_only)
     trainer.pt                     loop position, epoch metrics, LR schedule (rank 0)
     COMMITTED.json                 step, world size, strategy, every file's size and CRC32; written last
 
@@ -16,18 +16,16 @@ weights_only=True, and so do dtf's own files.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import random
 import shutil
 import sys
 import time
 import zlib
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,73 +35,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.files import write_atomically
+from dtf.train.rng import rng_state
+from dtf.train.state import TrainState
 
 MARKER = "COMMITTED.json"
 TRAINER_FILE = "trainer.pt"
 _PREFIX = "step_"
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _torch_save_synced(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors and plain numbers (loadable with weights_only=True)."""
-    py_version, py_state, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor(py_state, dtype=torch.int64),
-        "python_version": py_version,
-        "python_gauss": py_gauss,
-        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_gauss": float(np_gauss),
-        "numpy_kind": str(np_kind),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((state["python_version"], tuple(state["python"].tolist()), state["python_gauss"]))
-    np.random.set_state(
-        (
-            state["numpy_kind"],
-            state["numpy_keys"].numpy().astype(np.uint32),
-            state["numpy_pos"],
-            state["numpy_has_gauss"],
-            state["numpy_gauss"],
-        )
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    write_atomically(path, lambda f: torch.save(obj, f), durable=True)
 
 
 def _barrier() -> None:
@@ -217,14 +159,31 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "crc32": file_crc32(path)}
 
 
+@dataclass(frozen=True)
+class Marker:
+    """A checkpoint's commit marker: what was saved, by how many ranks, and every file's record."""
+
+    step: int
+    world_size: int
+    strategy: str
+    files: dict[str, dict[str, Any]]  # name -> {"size": bytes, "crc32": hex}
+
+
 def write_marker(path: Path, step: int, world_size: int, strategy: str, files: dict[str, dict[str, Any]]) -> None:
     """The commit: written last and atomically, once every file it lists is on disk."""
     meta = {"step": step, "world_size": world_size, "strategy": strategy, "files": dict(sorted(files.items()))}
-    _fsync_write(path / MARKER, json.dumps(meta, indent=1).encode())
+    write_atomically(path / MARKER, json.dumps(meta, indent=1), durable=True)
+
+
+def read_marker(path: Path) -> Marker:
+    """The commit marker of the checkpoint at path (OSError, ValueError, KeyError or TypeError when
+    it is missing or malformed)."""
+    meta = json.loads((path / MARKER).read_text())
+    return Marker(int(meta["step"]), int(meta["world_size"]), str(meta["strategy"]), meta["files"])
 
 
 def _marker_files(path: Path) -> dict[str, dict[str, Any]]:
-    files = json.loads((path / MARKER).read_text())["files"]
+    files = read_marker(path).files
     if not isinstance(files, dict) or not all(isinstance(r, dict) and "crc32" in r for r in files.values()):
         raise ValueError("it lists no checksums (written by an older dtf)")
     return files
@@ -398,20 +357,22 @@ class Checkpointer:
     def load(self, path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's
         RNG state or None when the world size changed, saved world size)."""
-        meta = json.loads((path / MARKER).read_text())
+        saved_world = read_marker(path).world_size
         load_app_state(path, app_state)
         trainer_state = torch.load(path / TRAINER_FILE, weights_only=True)
         rank_file = path / f"rank_{self.env.rank}.pt"
-        same_world = meta["world_size"] == self.env.world_size
+        same_world = saved_world == self.env.world_size
         rng = torch.load(rank_file, weights_only=True) if same_world and rank_file.is_file() else None
-        return trainer_state, rng, int(meta["world_size"])
+        return trainer_state, rng, saved_world
 
 
-def recorded_position(path: Path) -> dict[str, Any]:
-    """The trainer state a checkpoint holds (TrainState's fields: step, epoch, samples_in_epoch,
-    global_batch, canonical_partitions, ...), read without loading anything else."""
+def recorded_position(path: Path) -> TrainState:
+    """Where the run a checkpoint holds stood (step, epoch, samples_in_epoch, global_batch,
+    canonical_partitions, ...), read without loading anything else."""
     saved = torch.load(path / TRAINER_FILE, weights_only=True)
-    return dict(saved.get("trainer", saved))
+    position = TrainState()
+    position.load_state_dict(saved.get("trainer", saved))
+    return position
 
 
 def newest_intact(root: Path) -> Path | None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtf.signals import StopRequest
 from dtf.train.checkpoint import Checkpointer
-from dtf.train.stop import StopRequest
 
 
 @dataclass(frozen=True)

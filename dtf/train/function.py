@@ -34,17 +34,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
 from dtf import strategy as strategies
-from dtf.config.typed import typed
+from dtf.config.typed import RunConfig
 from dtf.data.loader import split_datasets
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.results import Finished
+from dtf.strategy.base import no_optimizer
 from dtf.train import summary as run_summary
+from dtf.train.rng import seed_everything
+from dtf.train.summary import FunctionSummary, RankFigures
 
 
 @dataclass
@@ -107,10 +110,10 @@ class ModuleFactory:
 
         model = self._strategy.build_model(lambda: self._build(**kwargs))
         if isinstance(self._strategy, Zero1Strategy):  # its optimizer is the function's: sharded by owner
-            wrapped, _ = DDPStrategy.setup(self._strategy, model, _no_optimizer, self._env)
+            wrapped, _ = DDPStrategy.setup(self._strategy, model, no_optimizer, self._env)
             self.owners.append(ParameterOwners(wrapped, self._env))
         else:
-            wrapped, _ = self._strategy.setup(model, _no_optimizer, self._env)
+            wrapped, _ = self._strategy.setup(model, no_optimizer, self._env)  # the function builds its own
         _eval_without_collectives(wrapped)
         self.models.append(wrapped)
         return wrapped
@@ -161,10 +164,6 @@ class ParameterOwners:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
-
-
-def _no_optimizer(params: Any) -> Any:
-    return None  # the function builds its own
 
 
 def _eval_without_collectives(model: nn.Module) -> None:
@@ -234,23 +233,23 @@ class StepCounter:
         self._handle.remove()
 
 
-def run(cfg: DictConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -> Finished | None:
+def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -> Finished | None:
     """One rank's trainer=function run; rank 0 returns the summary."""
-    r = typed(cfg)
-    fn, build, train_set, test_set, hparams = _inputs(cfg, payload)
+    seed_everything(run.trainer.seed)  # as a plain run of the function would start (the same seed on every rank)
+    fn, build, train_set, test_set, hparams = _inputs(run, payload)
     if len(train_set) < env.world_size:  # type: ignore[arg-type]
         raise UserError(
             f"the training set has {len(train_set)} samples for {env.world_size} ranks: "  # type: ignore[arg-type]
             "give it at least one sample per rank"
         )
-    strategy = strategies.build(r.strategy, r.trainer.precision)
+    strategy = strategies.build(run.strategy, run.trainer.precision)
     factory = ModuleFactory(build, strategy, env)
     train_shard = Shard(train_set, env.rank, env.world_size, equal=True)
     test_shard = Shard(test_set, env.rank, env.world_size, equal=False) if test_set is not None else None
     if env.is_main:
         print(
-            f"dtf: {env.world_size} rank(s), strategy={r.strategy.name}, device={env.device}, your function "
-            f"{_name(fn, cfg)}: {len(train_shard)} training samples per rank; run dir {run_dir}",
+            f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, your function "
+            f"{_name(fn, run)}: {len(train_shard)} training samples per rank; run dir {run_dir}",
             flush=True,
         )
     counter = StepCounter()
@@ -262,16 +261,14 @@ def run(cfg: DictConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -
         factory.close()
     seconds = time.perf_counter() - started
     result = _averaged(returned, len(test_shard) if test_shard is not None else 1, env)
-    return _finish(cfg, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
+    return _finish(run, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
 
 
 def _inputs(
-    cfg: DictConfig, payload: Payload | None
+    run: RunConfig, payload: Payload | None
 ) -> tuple[Callable[..., Any], Callable[..., nn.Module], Dataset, Dataset | None, Mapping[str, Any]]:
-    node = cfg.trainer.get("hparams")
-    configured = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    assert isinstance(configured, dict)
-    hparams = {str(k): v for k, v in configured.items()}
+    cfg = run.composed  # the function, model and datasets are the user's, built by _target_
+    hparams = {str(k): v for k, v in run.trainer.hparams.items()}
     if payload is not None:
         if payload.module is not None:
             build: Callable[..., nn.Module] = payload.module
@@ -287,9 +284,9 @@ def _inputs(
     return fn, _from_config(cfg.model), train_set, test_set, hparams
 
 
-def _name(fn: Any, cfg: DictConfig) -> str:
-    if cfg.trainer.get("fn") is not None:
-        return str(cfg.trainer.fn._target_)
+def _name(fn: Any, run: RunConfig) -> str:
+    if run.trainer.fn is not None:
+        return str(run.trainer.fn["_target_"])
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
 
 
@@ -327,7 +324,7 @@ def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, floa
 
 
 def _finish(
-    cfg: DictConfig,
+    run: RunConfig,
     env: DistEnv,
     run_dir: Path,
     factory: ModuleFactory,
@@ -337,59 +334,47 @@ def _finish(
     seconds: float,
     num_samples: int,
 ) -> Finished | None:
-    r = typed(cfg)
     states = [strategy.full_state_dict(m) for m in factory.models]  # an all-gather for sharded models
     digests = [run_summary.params_sha256(state) for state in states]
-    local = {
-        "steps": counter.steps,
-        "digest": ",".join(digests),
-        "peak_rss": run_summary.peak_rss_bytes(),
-        "optimizer_state": counter.state_bytes(),
-    }
-    gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, local)
+    local = RankFigures(
+        counter.steps, ",".join(digests), run_summary.peak_rss_bytes(), optimizer_state_bytes=counter.state_bytes()
+    )
+    ranks = run_summary.from_every_rank(local, env)
     if not env.is_main:
         return None
-    objective_name = r.trainer.objective.partition("/")[2]
-    if isinstance(result, dict):
-        if objective_name not in result:
-            raise UserError(
-                f"trainer.objective={r.trainer.objective}: the function returned {sorted(result)}; name one of "
-                f"them, e.g. trainer.objective=test/{sorted(result)[0]}"
-            )
-        objective = result[objective_name]
-    else:
-        objective = result
-    summary: dict[str, Any] = {
-        "world_size": env.world_size,
-        "mode": "function",
-        "result": result,
-        "objective": objective,
-        "objective_name": r.trainer.objective if isinstance(result, dict) else "result",
-        "objective_mode": r.trainer.objective_mode.value,
-        "global_step": gathered[0]["steps"],
-        "steps_per_rank": [g["steps"] for g in gathered],
-        "params_sha256": gathered[0]["digest"] or None,  # of each model the function built, comma-separated
-        "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,
-        "peak_rss_bytes": [g["peak_rss"] for g in gathered],
-        "optimizer_state_bytes": [g["optimizer_state"] for g in gathered],
-        "train_seconds": seconds,
-        "strategy": r.strategy.name,
-        "strategy_settings": OmegaConf.to_container(cfg.strategy),
-        "launcher": r.launcher.name,
-        "data_samples": num_samples,
-        "data_dropped_per_epoch": num_samples % env.world_size,
-        "run_dir": str(run_dir),
-    }
     # The model the function built (the last one, if it built several), as the loop exports it.
-    exported = r.trainer.export_weights and bool(states)
+    exported = run.trainer.export_weights and bool(states)
+    summary = FunctionSummary(
+        **run_summary.shared_fields(run, ranks, run_dir),
+        result=result,
+        objective=_objective(run, result),
+        objective_name=run.trainer.objective if isinstance(result, dict) else "result",
+        global_step=ranks[0].steps,
+        optimizer_state_bytes=[r.optimizer_state_bytes for r in ranks],
+        train_seconds=seconds,
+        data_samples=num_samples,
+        data_dropped_per_epoch=num_samples % env.world_size,
+        weights_file=run_summary.WEIGHTS_FILE if exported else None,
+    )
     if exported:
         torch.save(states[-1], run_dir / run_summary.WEIGHTS_FILE)
-    summary["weights_file"] = run_summary.WEIGHTS_FILE if exported else None
-    run_summary.write(run_dir, summary)
+    summary.write(run_dir)
     print(
         f"dtf: your function returned {result} (averaged over {env.world_size} rank(s)); "
-        f"{gathered[0]['steps']} optimizer steps per rank; summary {run_dir / run_summary.SUMMARY_FILE}",
+        f"{ranks[0].steps} optimizer steps per rank; summary {run_dir / run_summary.SUMMARY_FILE}",
         flush=True,
     )
-    return Finished(summary)
+    return Finished(summary.as_dict())
+
+
+def _objective(run: RunConfig, result: float | dict[str, float]) -> float:
+    """The value trainer.objective names among the function's returned values (its only one, if one)."""
+    if not isinstance(result, dict):
+        return result
+    objective_name = run.trainer.objective.partition("/")[2]
+    if objective_name not in result:
+        raise UserError(
+            f"trainer.objective={run.trainer.objective}: the function returned {sorted(result)}; name one of "
+            f"them, e.g. trainer.objective=test/{sorted(result)[0]}"
+        )
+    return result[objective_name]

@@ -26,7 +26,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from dtf.strategy.base import AUTOCAST_DTYPES
 
 
 class Precision:

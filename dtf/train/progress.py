@@ -61,7 +61,7 @@ class TensorBoard:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
 
-    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float | None]) -> None:
         if self.writer is not None:
             clean = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in hparams.items()}
             self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")

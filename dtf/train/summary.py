@@ -1,16 +1,18 @@
 """The record of a finished run: `<run_dir>/summary.json`, the final line, TensorBoard's hparams,
-and the exported weights. Every key of the summary is always there (null when it does not apply),
-so that sweeps, tests and users never have to guess.
+and the exported weights. summary.json is written from one typed record (Summary: LoopSummary for
+dtf's loop, FunctionSummary for trainer=function); every key is always there (null when it does
+not apply), so that sweeps, tests and users never have to guess. Keys are added, never renamed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import os
 import statistics
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.typed import RunConfig
+from dtf.dist.env import DistEnv
+from dtf.files import write_json
 from dtf.train.trainer import describe, show
 
 if TYPE_CHECKING:
@@ -62,80 +66,119 @@ def peak_rss_bytes() -> int | None:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # kilobytes on Linux
 
 
-def gather(trainer: Trainer, digest: str, run_dir: Path, config_digest: str) -> dict[str, Any] | None:
-    """The loop's figures, with each rank's steps, state size and digests of weights and config (a
-    collective); the summary on rank 0, None elsewhere."""
-    env, st, blocked = trainer.env, trainer.state, trainer.checkpointer.blocked_s
-    local = {
-        "steps": st.step,
-        "bytes": trainer.model_state_bytes,
-        "digest": digest,
-        "peak_rss": peak_rss_bytes(),
-        "config": config_digest,
-    }
-    gathered: list[Any] = [local]
-    if dist.is_initialized() and env.world_size > 1:
-        gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, local)
-    if not env.is_main:
-        return None
-    return {
-        "world_size": env.world_size,
-        "global_step": st.step,
-        "epochs": st.epoch,
-        "steps_per_rank": [g["steps"] for g in gathered],
-        "final_train_loss": st.last_train_loss,
-        "final_test_loss": st.last_test_loss,
-        "train_loss_per_epoch": st.train_loss_curve,
-        "test_loss_per_epoch": st.test_loss_curve,
-        "final_metrics": st.latest_metrics(),  # "train/loss", "test/loss", "test/<metric>", ...
-        "metrics_per_epoch": st.metrics_per_epoch,
-        "samples_per_sec": st.samples_seen / st.train_seconds if st.train_seconds > 0 else None,
-        "step_time_s": median_step_time(trainer.step_times, trainer.s.num_warmup_timing_steps),
-        # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
-        "checkpoint_blocked_s": statistics.median(blocked) if blocked else None,
-        "checkpoints_saved": len(blocked),
-        "model_state_bytes": [g["bytes"] for g in gathered],
-        # What trainer.memory_check estimated a rank would hold at its peak, by the ZeRO formula.
-        "model_state_estimate_bytes": trainer.model_state_estimate_bytes,
-        "peak_rss_bytes": [g["peak_rss"] for g in gathered],
-        # trainer.compile's cost: the first step of this process compiles (rank 0's time), and what it compiled.
-        "first_step_s": trainer.first_step_s,
-        "compiled_graphs": trainer.compiled_graphs,
-        # fp16-mixed: steps the gradient scaler skipped for overflowed gradients (null without a scaler).
-        "skipped_steps": trainer.precision.skipped_steps if trainer.precision.scaler is not None else None,
-        "params_sha256": digest,
-        # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
-        "params_sha256_consistent": len({g["digest"] for g in gathered}) == 1,
-        # Each rank's digest of its resolved config: one config per run, whoever started the ranks.
-        "config_sha256_by_rank": [g["config"] for g in gathered],
-        "config_consistent": len({g["config"] for g in gathered}) == 1,
-        "samples_seen": st.samples_seen,
-        "train_seconds": st.train_seconds,
-        "lr_final": trainer.optimizer.param_groups[0]["lr"],
-        "resumed_from_step": trainer.resumed_from_step,
-        "run_dir": str(run_dir),
-    }
+@dataclass(kw_only=True)
+class Summary:
+    """What every run records, whichever trainer ran it."""
+
+    world_size: int
+    global_step: int  # rank 0's optimizer steps
+    steps_per_rank: list[int]
+    objective: float | None  # the value of objective_name, which sweeps compare runs by
+    objective_name: str
+    objective_mode: str  # min or max
+    params_sha256: str | None  # of the final weights (a function's: of each model it built, comma-separated)
+    # Replicas that disagree would be a bug in a strategy; the summary says so rather than hide it.
+    params_sha256_consistent: bool
+    peak_rss_bytes: list[int | None]  # per rank
+    train_seconds: float
+    strategy: str
+    strategy_settings: Any
+    launcher: str
+    data_samples: int
+    data_dropped_per_epoch: int  # over all ranks
+    weights_file: str | None  # model.pt in the run dir, if exported
+    run_dir: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self, run_dir: Path) -> None:
+        write_json(run_dir / SUMMARY_FILE, self.as_dict())
 
 
-def run_facts(run: RunConfig, cfg: DictConfig, trainer: Trainer) -> dict[str, Any]:
-    """What the run was: strategy, launcher, data, and where it ran."""
-    data = trainer.train_data
-    on_slurm = "SLURM_JOB_ID" in os.environ  # proof of where it ran, for sacct / scontrol
-    return {
-        "strategy": run.strategy.name,
-        "strategy_settings": OmegaConf.to_container(cfg.strategy),
-        "launcher": run.launcher.name,
-        "data_samples": data.num_samples,
-        "data_batches_per_epoch": len(data),
-        "data_dropped_per_epoch": data.num_dropped_per_epoch,  # over all ranks
-        "data_repeated_per_epoch": data.num_repeated_per_epoch,
-        # Parquet's data.canonical_partitions as used (auto resolved); null for in-memory data.
-        "data_canonical_partitions": getattr(data, "num_partitions", None),
-        "slurm_job_id": os.environ["SLURM_JOB_ID"] if on_slurm else None,
-        "slurm_restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
-        "weights_file": WEIGHTS_FILE if run.trainer.export_weights else None,
-    }
+@dataclass(kw_only=True)
+class LoopSummary(Summary):
+    """dtf's own loop (trainer=default): its figures, curves and the facts of the run."""
+
+    epochs: int
+    final_train_loss: float
+    final_test_loss: float | None
+    train_loss_per_epoch: list[float]
+    test_loss_per_epoch: list[float]
+    final_metrics: dict[str, float]  # "train/loss", "test/loss", "test/<metric>", ...
+    metrics_per_epoch: list[dict[str, float]]
+    samples_per_sec: float | None
+    step_time_s: float | None  # the median, without the first num_warmup_timing_steps
+    # Rank 0's view: how long each save held up the loop (all of it, or only the copy when async).
+    checkpoint_blocked_s: float | None
+    checkpoints_saved: int
+    model_state_bytes: list[int | None]  # per rank, as held after the first step
+    # What trainer.memory_check estimated a rank would hold at its peak, by the ZeRO formula.
+    model_state_estimate_bytes: int | None
+    # trainer.compile's cost: the first step of this process compiles (rank 0's time), and what it compiled.
+    first_step_s: float | None
+    compiled_graphs: int | None
+    # fp16-mixed: steps the gradient scaler skipped for overflowed gradients (null without a scaler).
+    skipped_steps: int | None
+    # Each rank's digest of its resolved config: one config per run, whoever started the ranks.
+    config_sha256_by_rank: list[str]
+    config_consistent: bool
+    samples_seen: int
+    lr_final: float
+    resumed_from_step: int | None
+    data_batches_per_epoch: int
+    data_repeated_per_epoch: int  # over all ranks
+    # Parquet's data.canonical_partitions as used (auto resolved); null for in-memory data.
+    data_canonical_partitions: int | None
+    slurm_job_id: str | None  # proof of where it ran, for sacct / scontrol
+    slurm_restarts: int | None
+    pruned: bool  # hydra/sweeper=dtf pruned the trial after `epochs` epochs
+
+
+@dataclass(kw_only=True)
+class FunctionSummary(Summary):
+    """trainer=function: what the user's function returned, averaged over the ranks."""
+
+    mode: str = "function"
+    result: float | dict[str, float]
+    optimizer_state_bytes: list[int | None]  # per rank: the function's optimizers' state
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank knows of itself at the end, gathered to rank 0."""
+
+    steps: int
+    params_digest: str
+    peak_rss: int | None
+    config_digest: str | None = None  # dtf's loop
+    model_state_bytes: int | None = None  # dtf's loop
+    optimizer_state_bytes: int | None = None  # trainer=function
+
+
+def from_every_rank(local: RankFigures, env: DistEnv) -> list[RankFigures]:
+    """Every rank's figures, in rank order (a collective where there are several ranks)."""
+    if not (dist.is_initialized() and env.world_size > 1):
+        return [local]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+def shared_fields(run: RunConfig, ranks: list[RankFigures], run_dir: Path) -> dict[str, Any]:
+    """The Summary fields both trainers fill the same way."""
+    return dict(
+        world_size=len(ranks),
+        steps_per_rank=[r.steps for r in ranks],
+        params_sha256=ranks[0].params_digest or None,
+        params_sha256_consistent=len({r.params_digest for r in ranks}) == 1,
+        peak_rss_bytes=[r.peak_rss for r in ranks],
+        objective_mode=run.trainer.objective_mode.value,
+        strategy=run.strategy.name,
+        strategy_settings=OmegaConf.to_container(run.composed.strategy),
+        launcher=run.launcher.name,
+        run_dir=str(run_dir),
+    )
 
 
 def objective_of(run: RunConfig, has_test_set: bool) -> str:
@@ -145,13 +188,12 @@ def objective_of(run: RunConfig, has_test_set: bool) -> str:
     return "train/loss" if objective == "test/loss" and not has_test_set else objective
 
 
-def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
+def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | None:
     """Collective, after fit(): digests the model on every rank; rank 0 exports the weights, logs
     the hparams, writes summary.json, prints the final line and returns the summary."""
-    # Digested on every rank one whole tensor at a time (for sharded strategies an all-gather per
-    # tensor: a model that fits only sharded is never whole on a rank), kept by rank 0 to export.
-    state: dict[str, torch.Tensor] = {}
-    keep = run.trainer.export_weights and trainer.env.is_main
+    env = trainer.env
+    state: dict[str, torch.Tensor] = {}  # the weights rank 0 exports
+    keep = run.trainer.export_weights and env.is_main
 
     def kept(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in pairs:
@@ -159,43 +201,80 @@ def finish(run: RunConfig, cfg: DictConfig, trainer: Trainer, run_dir: Path) -> 
                 state[name] = tensor.detach()
             yield name, tensor
 
+    # Digested on every rank one whole tensor at a time (for sharded strategies an all-gather per
+    # tensor: a model that fits only sharded is never whole on a rank).
     digest = params_sha256(kept(trainer.strategy.whole_tensors(trainer.model)))
-    summary = gather(trainer, digest, run_dir, config_sha256(cfg))
-    if summary is None:
-        return None
-    summary.update(run_facts(run, cfg, trainer))
-    objective = objective_of(run, trainer.eval_data is not None)
-    summary.update(
-        objective=summary["final_metrics"].get(objective),
-        objective_name=objective,
-        objective_mode=run.trainer.objective_mode.value,
+    local = RankFigures(
+        trainer.state.step, digest, peak_rss_bytes(), config_sha256(run.composed), trainer.model_state_bytes
     )
-    # hydra/sweeper=dtf: a trial the search pruned ends here, after `epochs` epochs.
-    summary.update(pruned=trainer.pruned_at_epoch is not None)
+    ranks = from_every_rank(local, env)
+    if not env.is_main:
+        return None
+    summary = loop_summary(run, trainer, ranks, run_dir)
     if run.trainer.export_weights:
         torch.save(state, run_dir / WEIGHTS_FILE)
-    hparams = {
-        "world_size": trainer.env.world_size,
-        "strategy": run.strategy.name,
-        "lr": cfg.optimizer.get("lr"),
-        "batch_size": run.data.batch_size,
-        "grad_accum_steps": run.trainer.grad_accum_steps,
-        "lr_scaling": run.trainer.lr_scaling,
-    }
-    finals = summary["final_metrics"]
-    trainer.tb.hparams(hparams, {"objective": summary["objective"], **finals})
-    write(run_dir, summary)
+    results: dict[str, float | None] = {"objective": summary.objective, **summary.final_metrics}
+    trainer.tb.hparams(tensorboard_hparams(run, trainer), results)
+    summary.write(run_dir)
     print(
-        f"dtf: final {describe(finals)} (over {trainer.env.world_size} rank(s)); "
-        f"{objective} {show(summary['objective'])} ({summary['objective_mode']}); "
-        f"step {summary['step_time_s'] or float('nan'):.3g}s median; summary {run_dir / SUMMARY_FILE}",
+        f"dtf: final {describe(summary.final_metrics)} (over {env.world_size} rank(s)); "
+        f"{summary.objective_name} {show(summary.objective)} ({summary.objective_mode}); "
+        f"step {summary.step_time_s or float('nan'):.3g}s median; summary {run_dir / SUMMARY_FILE}",
         flush=True,
     )
     return summary
 
 
-def write(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Atomically: readers (sweeps, tests) never see half a file."""
-    tmp = run_dir / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(tmp, run_dir / SUMMARY_FILE)
+def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run_dir: Path) -> LoopSummary:
+    st, data, blocked = trainer.state, trainer.train_data, trainer.checkpointer.blocked_s
+    finals = st.latest_metrics()
+    objective = objective_of(run, trainer.eval_data is not None)
+    on_slurm = "SLURM_JOB_ID" in os.environ
+    return LoopSummary(
+        **shared_fields(run, ranks, run_dir),
+        global_step=st.step,
+        epochs=st.epoch,
+        final_train_loss=st.last_train_loss,
+        final_test_loss=st.last_test_loss,
+        train_loss_per_epoch=st.train_loss_curve,
+        test_loss_per_epoch=st.test_loss_curve,
+        final_metrics=finals,
+        metrics_per_epoch=st.metrics_per_epoch,
+        samples_per_sec=st.samples_seen / st.train_seconds if st.train_seconds > 0 else None,
+        step_time_s=median_step_time(trainer.step_times, trainer.s.num_warmup_timing_steps),
+        checkpoint_blocked_s=statistics.median(blocked) if blocked else None,
+        checkpoints_saved=len(blocked),
+        model_state_bytes=[r.model_state_bytes for r in ranks],
+        model_state_estimate_bytes=trainer.model_state_estimate_bytes,
+        first_step_s=trainer.first_step_s,
+        compiled_graphs=trainer.compiled_graphs,
+        skipped_steps=trainer.precision.skipped_steps if trainer.precision.scaler is not None else None,
+        config_sha256_by_rank=[str(r.config_digest) for r in ranks],
+        config_consistent=len({r.config_digest for r in ranks}) == 1,
+        samples_seen=st.samples_seen,
+        train_seconds=st.train_seconds,
+        lr_final=trainer.optimizer.param_groups[0]["lr"],
+        resumed_from_step=trainer.resumed_from_step,
+        data_samples=data.num_samples,
+        data_batches_per_epoch=len(data),
+        data_dropped_per_epoch=data.num_dropped_per_epoch,
+        data_repeated_per_epoch=data.num_repeated_per_epoch,
+        data_canonical_partitions=data.num_partitions,
+        slurm_job_id=os.environ["SLURM_JOB_ID"] if on_slurm else None,
+        slurm_restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0)) if on_slurm else None,
+        weights_file=WEIGHTS_FILE if run.trainer.export_weights else None,
+        objective=finals.get(objective),
+        objective_name=objective,
+        pruned=trainer.pruned_at_epoch is not None,
+    )
+
+
+def tensorboard_hparams(run: RunConfig, trainer: Trainer) -> dict[str, Any]:
+    return {
+        "world_size": trainer.env.world_size,
+        "strategy": run.strategy.name,
+        "lr": run.composed.optimizer.get("lr"),
+        "batch_size": run.data.batch_size,
+        "grad_accum_steps": run.trainer.grad_accum_steps,
+        "lr_scaling": run.trainer.lr_scaling,
+    }

@@ -22,11 +22,12 @@ from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
 from dtf.train.blocks import compiled_graphs
-from dtf.train.checkpoint import Checkpointer, set_rng_state
+from dtf.train.checkpoint import Checkpointer
 from dtf.train.control import StepControl
 from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
+from dtf.train.rng import set_rng_state
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
 
@@ -107,7 +108,7 @@ class Trainer:
     def _record_data_position(self) -> None:
         """What the data's positions count in, kept in the checkpoint for a resume to check against."""
         self.state.global_batch = self.train_data.samples_after(1) - self.train_data.samples_after(0)
-        self.state.canonical_partitions = getattr(self.train_data, "num_partitions", None)
+        self.state.canonical_partitions = self.train_data.num_partitions
 
     def _planned_steps(self) -> int:
         """Optimizer steps of the whole run: max_steps, or what finishes max_epochs from where the run stands."""
@@ -357,17 +358,15 @@ class Trainer:
                 print(f"dtf: warning: resuming {path}: {note}", flush=True)
 
     def _seek(self, saved_world: int, saved_batch: int | None = None, saved_partitions: int | None = None) -> list[str]:
-        """The batch of the current epoch to start from: the first one whose samples were not all used
-        (data that can seek to a sample continues from the very sample reached).
-        Returns what the user should know about the position."""
+        """The batch of the current epoch to start from (TrainData.seek). Returns what the user
+        should know about the position."""
         data, used = self.train_data, self.state.samples_in_epoch
         epoch = self.state.epoch + 1
-        seek = getattr(data, "seek", None)
-        if seek is not None:
-            self.start_batch = seek(self.state.epoch, used)
-            batch, partitions = self.state.global_batch, self.state.canonical_partitions
-            if not used:
-                return []
+        self.start_batch = start = data.seek(self.state.epoch, used)
+        if not used:
+            return []
+        batch, partitions = self.state.global_batch, self.state.canonical_partitions
+        if partitions is not None:  # every canonical partition continues from the row it reached
             if saved_partitions is not None and saved_partitions != partitions:
                 return [
                     f"data.canonical_partitions changed ({saved_partitions} -> {partitions}) in the middle of epoch "
@@ -377,16 +376,11 @@ class Trainer:
             if saved_batch is not None and saved_batch != batch:
                 return [
                     f"the global batch changed ({saved_batch} -> {batch}) in the middle of epoch {epoch}: every "
-                    f"partition continues from the row it had reached ({used // (partitions or 1)}), but the batch "
+                    f"partition continues from the row it had reached ({used // partitions}), but the batch "
                     "composition differs from there on"
                 ]
             return []
         num_batches = len(data)
-        per_batch = data.samples_after(1)
-        start = min(num_batches, used // per_batch)
-        while start < num_batches and data.samples_after(start + 1) <= used:  # a short last batch
-            start += 1
-        self.start_batch = start
         seen_twice = used - data.samples_after(start) if start < num_batches else 0
         moved = saved_world != self.env.world_size and not data.position_survives_world_size_change
         if moved and 0 < start < num_batches:

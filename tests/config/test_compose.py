@@ -14,9 +14,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dtf.config.validate import validate
 from dtf.errors import UserError
-from dtf.worker import build_model
+from dtf.preflight import validate
+from dtf.train.loop import build_model
 
 CONF = Path(__file__).parents[2] / "conf"  # the config tree, at the top of the repository
 DOCS = Path(__file__).parents[2] / "docs"

@@ -9,8 +9,8 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from dtf.config.validate import validate
 from dtf.errors import UserError
+from dtf.preflight import validate
 
 
 def make(*overrides: str) -> DictConfig:

@@ -2,7 +2,7 @@
 on 2 ranks, on every strategy they change something for. SGD with momentum throughout, so that a
 gradient-scale error cannot hide (Adam would normalise it away).
 
-The runs go through the ranks' own body (dtf.worker.train) on 2 gloo ranks started once
+The runs go through the ranks' own body (dtf.train.loop.run) on 2 gloo ranks started once
 (tests.helpers.inprocess.train_on_ranks): ~1 s a run instead of ~9 s through `python -m dtf`.
 One run at the end goes through the command line, for the launcher path and the log line."""
 

@@ -1,7 +1,7 @@
 """One switch, same result: every sharding strategy trains like DDP (SGD, so a gradient-scale
 error cannot hide) and holds the per-rank memory the ZeRO paper promises.
 
-The runs go through the ranks' own body (dtf.worker.train) on gloo ranks started once per test
+The runs go through the ranks' own body (dtf.train.loop.run) on gloo ranks started once per test
 (tests.helpers.inprocess.train_on_ranks): ~1 s a run instead of ~10 s through `python -m dtf`.
 What is compared here is the strategies, not the launcher (dtf.cli, dtf.launch and dtf.rank never
 look at the strategy); the command line runs FSDP in tests/dist/test_precision.py and

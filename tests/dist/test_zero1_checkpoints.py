@@ -2,7 +2,7 @@
 DDP checkpoint resumed with ZeRO-1), a run continues as the same resume done with DDP alone.
 (tests/unit/test_zero1.py checks the loaded state itself, element for element.)
 
-The runs go through the ranks' own body (dtf.worker.train) on gloo ranks the test starts
+The runs go through the ranks' own body (dtf.train.loop.run) on gloo ranks the test starts
 (tests.helpers.inprocess.train_on_ranks), ~1 s a run instead of ~10 s through `python -m dtf`:
 the saves on one start of 2 ranks, each world size's resumes on ranks started after them."""
 

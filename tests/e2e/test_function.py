@@ -36,7 +36,7 @@ import json, torch, dtf
 from dtf.data.datasets import scalar_field
 from dtf.models.approximator import Approximator
 from dtf.train.summary import params_sha256
-from dtf.worker import seed_everything
+from dtf.train.rng import seed_everything
 from maggy_function import train
 
 train_set, test_set = scalar_field(num_points=3000, num_test=500)

@@ -1,5 +1,5 @@
 """A user's project tests its own configs with dtf's pytest plugin and nothing else: the
-README's example ("Testing your configs"), written out as its files, passes with plain `pytest`
+example of docs/testing.md, written out as its files, passes with plain `pytest`
 and with `pytest -n 2`; a misspelled override fails with dtf's one line."""
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ PYTEST = Path(sys.executable).parent / "pytest"  # the console script a user typ
 
 
 def readme_project(root: Path) -> list[str]:
-    """Writes the section's files (each code block after a line "`<path>`...:") under root."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Testing your configs\n", 1)[1].split("\n## ", 1)[0]
+    """Writes the page's files (each code block after a line "`<path>`...:") under root."""
+    section = (REPO / "docs" / "testing.md").read_text()
     written = []
     blocks = r"^`([\w/]+\.(?:py|yaml))`[^\n]*:\n\n```(?:yaml|python)\n(.*?)```"
     for path, block in re.findall(blocks, section, re.S | re.M):

@@ -3,13 +3,15 @@ and resume included, in about a second, without starting any process. For the tr
 logic (positions, budgets, schedules, accumulation), where a subprocess run would only add time.
 
 train_on_ranks does the same on N gloo ranks in child processes: each rank runs the rank's own
-body (dtf.worker.train) for a list of runs in a row, so the ranks start once (a few seconds) and
+body (dtf.train.loop.run) for a list of runs in a row, so the ranks start once (a few seconds) and
 each further run costs about a second, not the ~9 s of `python -m dtf` (driver, agent, imports).
 For comparisons of many short multi-rank runs where the launcher is not what is tested."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config `python -m dtf <overrides>` would run, validated and frozen as the driver does."""
-    from dtf.config.validate import validate
+    from dtf.preflight import validate
 
     store.register()
     with initialize_config_module("dtf.conf", version_base="1.3"):
@@ -34,20 +36,15 @@ def compose_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def train_in_process(overrides: list[str], run_dir: Path, stop_request: Any = None) -> Any:
-    """worker.train on a process group of one; returns the summary, or the Stopped result.
-    stop_request: stands in for the signal handlers (a StopRequest or anything with its interface)."""
+@contextlib.contextmanager
+def group_of_one() -> Iterator[Any]:
+    """A gloo process group of this process alone (its DistEnv); the environment as it was after."""
     from dtf.dist import env as dist_env
-    from dtf.results import Finished
-    from dtf.worker import train
 
-    cfg = compose_config(overrides)
     saved = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
-    run_dir.mkdir(parents=True, exist_ok=True)
     env = dist_env.init("cpu", "gloo", 60.0)
     try:
-        result = train(cfg, env, run_dir, stop_request)
-        return result.summary if isinstance(result, Finished) else result
+        yield env
     finally:
         dist_env.destroy()
         for key, value in saved.items():  # init sets MASTER_ADDR/PORT: leave the environment as it was
@@ -57,18 +54,46 @@ def train_in_process(overrides: list[str], run_dir: Path, stop_request: Any = No
                 os.environ[key] = value
 
 
+def train_in_process(overrides: list[str], run_dir: Path, stop_request: Any = None) -> Any:
+    """dtf.train.loop.run on a process group of one; returns the summary, or the Stopped result.
+    stop_request: stands in for the signal handlers (a StopRequest or anything with its interface)."""
+    from dtf.config.typed import typed
+    from dtf.results import Finished
+    from dtf.train.loop import run
+
+    cfg = compose_config(overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with group_of_one() as env:
+        result = run(typed(cfg), env, run_dir, stop_request)
+    return result.summary if isinstance(result, Finished) else result
+
+
+def function_in_process(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """trainer=function (dtf.train.function.run) on a process group of one; returns the summary."""
+    from dtf.config.typed import typed
+    from dtf.train import function
+
+    cfg = compose_config(["trainer=function", *overrides])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with group_of_one() as env:
+        result = function.run(typed(cfg), env, run_dir, None)
+    assert result is not None
+    return result.summary
+
+
 def _train_runs(rank: int, world_size: int, runs: list[tuple[str, list[str]]], root: Path) -> None:
     import torch
 
+    from dtf.config.typed import typed
     from dtf.dist import env as dist_env
-    from dtf.worker import train
+    from dtf.train.loop import run
 
     torch.set_num_threads(1)  # ranks share the machine's cores
     env = dist_env.init("cpu", "gloo", 60.0)  # the group run_on_ranks made
     for name, overrides in runs:
         cfg = compose_config([f"launcher.nproc={world_size}", *overrides])
         (root / name).mkdir(parents=True, exist_ok=True)
-        train(cfg, env, root / name)
+        run(typed(cfg), env, root / name)
 
 
 def train_on_ranks(world_size: int, runs: list[tuple[str, list[str]]], root: Path) -> dict[str, dict[str, Any]]:

@@ -21,10 +21,9 @@ from dtf.train.checkpoint import (
     file_record,
     is_complete,
     resolve_resume,
-    rng_state,
-    set_rng_state,
     write_marker,
 )
+from dtf.train.rng import rng_state, set_rng_state
 
 
 def _checkpoint(root: Path, step: int) -> Path:

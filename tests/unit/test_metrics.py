@@ -11,8 +11,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from dtf.config.validate import validate
 from dtf.errors import UserError
+from dtf.preflight import validate
 from tests.helpers.inprocess import train_in_process
 
 # scikit-learn's digits: 1,438 training and 359 test images; a few steps of the Horovod CNN.

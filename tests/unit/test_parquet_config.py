@@ -14,11 +14,11 @@ from omegaconf import DictConfig
 
 from dtf.config import store
 from dtf.config.typed import typed
-from dtf.config.validate import validate
 from dtf.data import prepare
 from dtf.data.parquet import data as parquet
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.preflight import validate
 from tests.helpers.parquet_files import write_skewed
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dtf.results import Stopped
-from dtf.train.stop import StopRequest
+from dtf.signals import StopRequest
 from tests.helpers.inprocess import train_in_process
 
 # 2,000 training samples: 63 batches of 32 per epoch on one rank (the last one of 16).

@@ -42,7 +42,7 @@ from dtf.data.parquet.source import (
     resolve,
 )
 from dtf.errors import UserError
-from dtf.train.stop import ignore_stop_signals
+from dtf.signals import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
 

@@ -1,6 +1,7 @@
-"""Rules that span sections or look at the machine, and the `_target_` checks, on the driver
-before any process starts. Each section's own values are checked by its dataclass
-(dtf.config.schema, through dtf.config.typed).
+"""The driver's pre-flight: what can be checked over the whole stack before any rank starts. Rules
+that span sections or look at the machine, the Parquet data's metadata, and the `_target_`s.
+Each section's own values are checked by its dataclass (dtf.config.schema, through
+dtf.config.typed). The command line (dtf.cli) and the Python API (dtf.api) call it.
 
 Every failure is a UserError whose message names the key and says how to fix it.
 """
@@ -40,7 +41,7 @@ _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 
 
 def validate(cfg: DictConfig) -> RunConfig:
-    """Refuse a bad config in one line, before any process starts; returns its typed sections."""
+    """Refuse a bad config in one line, before any process starts; returns it typed."""
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
@@ -122,10 +123,9 @@ def _recorded_partitions(c: CheckpointConfig, run_dir: Path | None) -> int | Non
     if path is None:
         return None
     try:
-        value = recorded_position(path).get("canonical_partitions")
+        return recorded_position(path).canonical_partitions
     except Exception:  # unreadable: the ranks skip or refuse that checkpoint with a reason
         return None
-    return int(value) if value is not None else None
 
 
 def _check_machine(t: TrainerConfig) -> None:

@@ -1,0 +1,52 @@
+"""Files and directories dtf writes: whole or not at all, and a directory it cannot make named in
+one line. Standard library only: the driver, the ranks and the sweeper all write through it."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from dtf.errors import UserError
+
+
+def write_atomically(path: Path, content: str | bytes | Callable[[IO[bytes]], None], *, durable: bool = False) -> None:
+    """Write a sibling temp file, then rename it over path: a reader (a sweep, a test, a resume)
+    sees the old file or the new one, never half of one. content: text, bytes, or a function that
+    writes to the open file (torch.save). durable: fsync the file and the directory first, so the
+    rename survives a crash of the machine (a checkpoint's files and its commit marker)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if callable(content):
+            content(f)
+        else:
+            f.write(content.encode() if isinstance(content, str) else content)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """data as indented JSON (summary.json, a sweep's records), atomically."""
+    write_atomically(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def make_dir(path: str | Path, key: str) -> Path:
+    """The directory path (made if missing), resolved; UserError naming the setting (key) that gave
+    it when it cannot be made."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{key}={path} cannot be made ({e.strerror or type(e).__name__}): give {key} a directory you can write to"
+        ) from None
+    return Path(path).resolve()

@@ -1,0 +1,260 @@
+"""dtf's own loop on one rank, from the run's config: build its parts (model, data, optimizer and
+schedule, the Trainer), fit, and finish with the run's record. Each phase has one job; the
+process around them (environment, process group, signals) is dtf.rank's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+
+from dtf import failures
+from dtf import strategy as strategies
+from dtf.config.schema import PetastormDataConfig
+from dtf.config.typed import DataConfig, RunConfig
+from dtf.data import loader
+from dtf.data.loader import EvalData, TrainData
+from dtf.dist import env as dist_env
+from dtf.errors import UserError
+from dtf.results import Finished, RunResult, Stopped
+from dtf.signals import StopRequest
+from dtf.strategy import memory
+from dtf.train import blocks, schedule
+from dtf.train import summary as run_summary
+from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
+from dtf.train.control import StepControl
+from dtf.train.loss import TargetsLikeOutput
+from dtf.train.metrics import Metrics
+from dtf.train.precision import Precision
+from dtf.train.progress import TensorBoard
+from dtf.train.rng import seed_everything
+from dtf.train.trainer import Pruning, Trainer, supervised_step
+
+
+def run(
+    run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest | None = None
+) -> RunResult | None:
+    """Rank 0 returns Finished (the others None), or every rank Stopped when the ranks agreed to stop.
+    stop_request: the rank's stop-signal handlers (none: nothing stops the run early)."""
+    stop_request = stop_request or StopRequest(())
+    trainer = build(run, env, run_dir, stop_request)
+    trainer.fit()
+    return finish(run, trainer, run_dir, stop_request)
+
+
+def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest) -> Trainer:
+    """The Trainer, ready to fit: from its checkpoint when the run resumes."""
+    if run.trainer.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
+    seed_everything(run.trainer.seed)
+    parts = setup_model(run, env)
+    resume = choose_checkpoint(run, env, run_dir)
+    # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
+    recorded = recorded_position(resume).canonical_partitions if resume is not None else None
+    train_data, eval_data = setup_data(run, env, recorded)
+    model, optimizer = parts.strategy.setup(parts.model, instantiate(run.composed.optimizer), env)
+    # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
+    blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
+    # ... and a different stream per rank for what happens during training (dropout, augmentation).
+    seed_everything(run.trainer.seed + env.rank)
+    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data)
+    if resume is not None:
+        trainer.resume_from(resume)
+        if env.is_main:
+            print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
+    announce(run, trainer, run_dir, resumed=resume is not None)
+    return trainer
+
+
+@dataclass
+class ModelParts:
+    """The model as built (before the strategy wraps it), and what builds and runs it."""
+
+    strategy: strategies.Strategy
+    precision: Precision
+    model: nn.Module
+    state_estimate_bytes: int | None  # trainer.memory_check's, by the strategy's ZeRO formula
+
+
+def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
+    """The strategy, the precision, and the model, once this node is known to hold its state."""
+    t = run.trainer
+    strategy = strategies.build(run.strategy, t.precision)
+    scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
+    precision = Precision(t.precision, env.device, scaler)
+    # Before anything is allocated: can this node hold the model's state under this strategy?
+    as_built = lambda: precision.convert_model(build_model(run.composed.model))  # noqa: E731
+    estimate = memory.check(as_built, strategy, instantiate(run.composed.optimizer), env, t.memory_check)
+    model = precision.convert_model(strategy.build_model(lambda: build_model(run.composed.model)))
+    if isinstance(model, nn.ModuleDict) and t.step_fn is None:
+        raise UserError(
+            "model builds several modules: set trainer.step_fn._target_ to a function "
+            "(model, batch, loss_fn) -> loss that calls them"
+        )
+    blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
+    return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
+
+
+def build_model(cfg: DictConfig) -> nn.Module:
+    """One module by _target_, or a mapping of names to module configs (several modules, as in a GAN)."""
+    if "_target_" in cfg:
+        return instantiate(cfg)
+    return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
+
+
+def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Path | None:
+    """The checkpoint this run starts from, if any. Rank 0 picks it (it alone warns about incomplete
+    ones); every rank loads it."""
+    ck = run.checkpoint
+    found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
+    if note:
+        print(f"dtf: {note}", flush=True)
+    chosen = dist_env.broadcast_from_main(str(found) if found else None)
+    return Path(chosen) if chosen is not None else None
+
+
+def setup_data(
+    run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int | None
+) -> tuple[TrainData, EvalData | None]:
+    """Training and test batches; recorded_partitions: the canonical partitions of the checkpoint
+    a resumed run starts from (Parquet)."""
+    t = run.trainer
+    train_data, eval_data = loader.build(run.data, env, seed=t.seed, recorded_partitions=recorded_partitions)
+    if eval_data is None and t.objective.startswith("test/") and t.objective != "test/loss":
+        raise UserError(
+            f"trainer.objective={t.objective}: this data has no test set; judge the run by train/loss "
+            "(or a train/<metric> with trainer.train_metrics=true), or give the data a test split"
+        )
+    return train_data, eval_data
+
+
+def assemble(
+    run: RunConfig,
+    env: dist_env.DistEnv,
+    run_dir: Path,
+    stop_request: StopRequest,
+    parts: ModelParts,
+    model: nn.Module,
+    optimizer: Optimizer,
+    train_data: TrainData,
+    eval_data: EvalData | None,
+) -> Trainer:
+    """The Trainer over the wrapped model and its optimizer, with its components."""
+    t, ck, cfg = run.trainer, run.checkpoint, run.composed
+    checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name)
+    trainer = Trainer(
+        t,
+        env,
+        parts.strategy,
+        model,
+        optimizer,
+        schedule=lr_schedule(run, optimizer, env.world_size),
+        loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(run.data)),
+        step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
+        train_data=train_data,
+        eval_data=eval_data,
+        tensorboard=TensorBoard(run_dir, enabled=t.tensorboard and env.is_main),
+        checkpointer=checkpointer,
+        metrics=Metrics.build(cfg.get("metrics"), env.device),
+        train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
+        control=StepControl(
+            stop_request,
+            checkpointer,
+            env.world_size,
+            every_n_steps=ck.stop_check_every_n_steps,
+            every_s=ck.stop_check_every_s,
+            is_main=env.is_main,
+        ),
+        precision=parts.precision,
+        pruning=trial_pruning(run, eval_data is not None, env),
+    )
+    trainer.model_state_estimate_bytes = parts.state_estimate_bytes
+    return trainer
+
+
+def lr_schedule(run: RunConfig, optimizer: Optimizer, world_size: int) -> schedule.LRSchedule:
+    """The optimizer's LR scaled for the world size (trainer.lr_scaling), then warm-up and the
+    user's scheduler over the run's steps."""
+    t = run.trainer
+    scale = schedule.lr_scale_factor(t.lr_scaling, world_size, t.grad_accum_steps)
+    schedule.scale_lr(optimizer, scale)
+    start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
+    user_scheduler = instantiate(run.composed.scheduler) if run.composed.get("scheduler") else None
+    return schedule.LRSchedule(
+        optimizer,
+        lambda total: schedule.build_scheduler(optimizer, user_scheduler, total, t.warmup_steps, start_factor),
+    )
+
+
+def label_source(data: DataConfig) -> str:
+    """Where the labels come from, as error messages name it."""
+    if isinstance(data, PetastormDataConfig):
+        return f"data.label_column={data.label_column}"
+    return "data.dataset (its targets)"
+
+
+def trial_pruning(run: RunConfig, has_test_set: bool, env: dist_env.DistEnv) -> Pruning | None:
+    """A trial of hydra/sweeper=dtf (its `trial` section) reports to its study and may be pruned."""
+    if run.trial is None:
+        return None
+    from dtf.sweep.study import TrialPruning  # Optuna only where a sweep runs
+
+    return TrialPruning(run.trial, run_summary.objective_of(run, has_test_set), env)
+
+
+def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> None:
+    """Rank 0's start line: what runs where, and what the user should know before it does."""
+    env, t = trainer.env, run.trainer
+    if not env.is_main:
+        return
+    scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size, t.grad_accum_steps)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:  # the agent restarted the ranks after a failure: say so, once
+        where = f"resuming from step {trainer.state.step}" if resumed else "starting over (no checkpoint)"
+        print(
+            f"dtf: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (launcher.max_restarts): "
+            f"{previous_failure(run_dir, restart)}; {where}",
+            flush=True,
+        )
+    print(
+        f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, "
+        f"{loader.describe(trainer.train_data)}, {trainer.total_steps} optimizer steps, "
+        f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
+        flush=True,
+    )
+    if t.warmup_steps >= trainer.schedule.plan.total:
+        print(
+            f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "
+            "optimizer steps: the LR never reaches its target",
+            flush=True,
+        )
+
+
+def previous_failure(run_dir: Path, attempt: int) -> str:
+    """Which rank failed in the attempt before this one (a restart's reason), from its record."""
+    failure = failures.first(run_dir, attempt - 1)
+    if failure is None:
+        return "a rank died without an error of its own (killed by a signal?)"
+    return f"rank {failure.rank} failed ({failure.message})"
+
+
+def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRequest) -> RunResult | None:
+    """How the fit ended: Stopped where the ranks agreed to stop, else the run's record (a
+    collective; rank 0 writes it and returns it as Finished)."""
+    if trainer.stopped_at_step is not None:
+        trainer.tb.close()  # what was logged so far is kept; the resumed run appends to the same run dir
+        step = trainer.stopped_at_step
+        return Stopped(stop_request.signal_name, step, str(trainer.checkpointer.path_of(step)))
+    summary = run_summary.finish(run, trainer, run_dir)
+    trainer.tb.close()
+    return Finished(summary.as_dict()) if summary is not None else None
