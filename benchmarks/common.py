@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 
-def dtf_summary(run_dir: Path, overrides: list[str]) -> dict:
-    """Runs `python -m dtf <overrides>` in run_dir and returns its summary.json."""
+
+def dtf_summary(run_dir: Path, overrides: list[str], checkout: Path | None = None) -> dict:
+    """Runs `python -m dtf <overrides>` in run_dir and returns its summary.json. checkout: the
+    dtf to run (default: this one), e.g. a `git worktree` of another commit for an A/B. The run
+    starts outside any checkout: `python -m` puts its working directory first on sys.path."""
+    env = {**os.environ, "PYTHONPATH": str(checkout or REPO)}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dtf", *overrides, f"hydra.run.dir={run_dir}"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=run_dir.parent, env=env)
     return json.loads((run_dir / "summary.json").read_text())

@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/overhead.py [--repeats 5] [--epochs 40] [--nproc 2] [--batch-size 32]
     .venv/bin/python benchmarks/overhead.py --batch-sizes 32,256,1024 --epochs 10   # the table
+    .venv/bin/python benchmarks/overhead.py --baseline /tmp/old   # also against another checkout
+
+With --baseline DIR (e.g. `git worktree add /tmp/old <commit>`), each repeat also runs that
+checkout's dtf, in turn with the others, and the verdict adds the ratio this / baseline: a change's
+cost, A/B in one run.
 
 With --batch-sizes, the same comparison at each per-rank batch size, then a table of the ratios,
 then a torch.profiler summary of dtf's step at each size (one process: where the time goes).
@@ -58,28 +63,31 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
     return json.loads(out.read_text())
 
 
-def run_dtf(tmp: Path, i: int, args: argparse.Namespace) -> dict:
+def run_dtf(tmp: Path, i: int, args: argparse.Namespace, checkout: Path | None = None) -> dict:
     overrides = [
         f"launcher.nproc={args.nproc}",
         f"trainer.max_epochs={args.epochs}",
         f"data.batch_size={args.batch_size}",
         "trainer.progress=off",
     ]
-    return dtf_summary(tmp / f"dtf{i}", overrides)
+    return dtf_summary(tmp / f"{'baseline' if checkout else 'dtf'}{i}", overrides, checkout)
 
 
 def compare(args: argparse.Namespace) -> tuple[float, float]:
     """Alternating raw and dtf runs; prints them; returns the medians of the paired ratios (step
     time, and training time per step)."""
-    raw, ours = [], []
+    raw, ours, base = [], [], []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for i in range(args.repeats):
             raw.append(run_raw(tmp, i, args))
             ours.append(run_dtf(tmp, i, args))
+            if args.baseline:
+                base.append(run_dtf(tmp, i, args, Path(args.baseline).resolve()))
             print(
                 f"batch {args.batch_size}, repeat {i + 1}/{args.repeats}: raw {raw[-1]['step_time_s'] * 1e3:.3f} "
-                f"ms/step, dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step",
+                f"ms/step, dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step"
+                + (f", baseline {base[-1]['step_time_s'] * 1e3:.3f} ms/step" if base else ""),
                 flush=True,
             )
     raw_med = statistics.median(r["step_time_s"] for r in raw)
@@ -106,7 +114,25 @@ def compare(args: argparse.Namespace) -> tuple[float, float]:
         f"(quartiles {m1:.3f}-{m3:.3f})\n",
         flush=True,
     )
+    if base:
+        against_base(ours, base)
     return statistics.median(ratios), statistics.median(mean_ratios)
+
+
+def against_base(ours: list[dict], base: list[dict]) -> None:
+    """This checkout against the baseline's, pair by pair: step time, time per step, final loss."""
+    steps = sorted(o["step_time_s"] / b["step_time_s"] for o, b in zip(ours, base, strict=True))
+    means = sorted(
+        (o["train_seconds"] / o["global_step"]) / (b["train_seconds"] / b["global_step"])
+        for o, b in zip(ours, base, strict=True)
+    )
+    same = all(o["params_sha256"] == b["params_sha256"] for o, b in zip(ours, base, strict=True))
+    print(
+        f"this / baseline: median step ratio {statistics.median(steps):.3f} "
+        f"(pairs {' '.join(f'{r:.3f}' for r in steps)}), "
+        f"training time per step {statistics.median(means):.3f}; the same parameters in every pair: {same}\n",
+        flush=True,
+    )
 
 
 def profile_step(batch_size: int, steps: int = 30) -> None:
@@ -156,6 +182,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (the default job's)")
     p.add_argument("--batch-sizes", help="comma-separated: compare at each, then a table")
+    p.add_argument("--baseline", help="another dtf checkout, run in turn with this one: the ratio this / baseline")
     args = p.parse_args()
     if not args.batch_sizes:
         compare(args)
