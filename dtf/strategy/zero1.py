@@ -48,6 +48,9 @@ from dtf.strategy.base import (
 )
 from dtf.strategy.ddp import DDPStrategy
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single: the same collective.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
 # second moments, matrix orthogonalisation, line searches): a flat slice would change their math.
 _NOT_ELEMENT_WISE = tuple(
@@ -264,7 +267,7 @@ class ShardedOptimizer(Optimizer):
             for piece in self.pieces:
                 piece.tensor.grad = None
         for buffer in self._flat:
-            dist.all_gather_single(buffer.data, buffer.mine, group=self.process_group)
+            _all_gather_single(buffer.data, buffer.mine, group=self.process_group)
         return loss
 
     def _materialise_state(self) -> None:

@@ -199,8 +199,10 @@ def _eval_without_collectives(model: nn.Module) -> None:
 
 def _reshards_after_forward(module: nn.Module) -> bool:
     """FSDP2's current reshard_after_forward of the module (the root's changes at its first forward)."""
-    groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
-    return any(g.post_forward_mesh_info is not None for g in groups)
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    # torch >= 2.12 keeps a list of parameter groups; before, one group (or None)
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    return any(g is not None and g.post_forward_mesh_info is not None for g in groups)
 
 
 class StepCounter:
