@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
 from dtf.data.loader import split_datasets
-from dtf.data.parquet.source import SHAPES_KEY, quiet_petastorm
+from dtf.data.parquet.source import SHAPES_KEY
 from dtf.errors import UserError
 
 # The config tree: conf/ of a checkout, or dtf/conf/ of an installed wheel (the package dtf.conf).
@@ -128,8 +128,6 @@ def write_petastorm(
     from petastorm.etl.dataset_metadata import materialize_dataset
     from petastorm.unischema import Unischema, UnischemaField, dict_to_spark_row
     from pyspark.sql.types import DoubleType, FloatType, IntegerType, LongType
-
-    quiet_petastorm()
 
     spark_types = {
         np.dtype(np.float32): FloatType(),
