@@ -28,7 +28,7 @@ from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
     MicsStrategyConfig,
-    PetastormDataConfig,
+    ParquetDataConfig,
     SlurmLauncherConfig,
     TrainerConfig,
 )
@@ -49,7 +49,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check_stop_signal(run)
     _check_gpus(run)
     _check_resume(run.checkpoint)
-    if isinstance(run.data, PetastormDataConfig):
+    if isinstance(run.data, ParquetDataConfig):
         from dtf.data.parquet.source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
 
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
@@ -97,7 +97,7 @@ def check_canonical_partitions(run: RunConfig, run_dir: Path | None) -> None:
     """Parquet's canonical partitions against the world size and the global batch, where the
     driver knows the world size: the ones asked for, or those of the checkpoint the run resumes
     from (run_dir: where checkpoint.resume=auto looks; None: not known yet)."""
-    if not isinstance(run.data, PetastormDataConfig):
+    if not isinstance(run.data, ParquetDataConfig):
         return
     world = expected_world_size(run.launcher)
     if world is None:

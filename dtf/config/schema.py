@@ -303,9 +303,11 @@ class Remainder(str, Enum):
 
 
 class PetastormReader(str, Enum):
-    auto = "auto"  # make_reader for a Petastorm dataset (Unischema), make_batch_reader for plain Parquet
-    make_reader = "make_reader"
-    make_batch_reader = "make_batch_reader"
+    """data.reader, by the names of Petastorm's readers: whether a Petastorm dataset's codecs are decoded."""
+
+    auto = "auto"  # decoded where the data set has a Unischema (a Petastorm dataset)
+    make_reader = "make_reader"  # decoded, as Petastorm's make_reader yields them
+    make_batch_reader = "make_batch_reader"  # as stored, as Petastorm's make_batch_reader yields them
 
 
 class ReaderPool(str, Enum):
@@ -315,12 +317,13 @@ class ReaderPool(str, Enum):
 
 
 @dataclass
-class PetastormDataConfig(BaseDataConfig):
-    """Parquet or a Petastorm dataset read through Petastorm, with the same number of batches on every rank."""
+class ParquetDataConfig(BaseDataConfig):
+    """Parquet or a Petastorm dataset, read by dtf with the same number of batches on every rank
+    (data=parquet; data=petastorm is the same option by its former name)."""
 
-    kind: str = "petastorm"
+    kind: str = "parquet"
     # The training data: a Parquet file or directory, or a Petastorm dataset, as a local path or a
-    # URL (file://, hdfs://, s3://, gs://, ... whatever Petastorm and fsspec resolve).
+    # URL (file://, s3://, gs://, hdfs://, ... any scheme fsspec resolves).
     path: str = MISSING
     # Test data, evaluated with every row counted exactly once (null: no evaluation, unless
     # test_filters is set: then the test data are data.path's partitions that test_filters keep).
@@ -348,6 +351,7 @@ class PetastormDataConfig(BaseDataConfig):
     # resume, else gcd(G, lcm(N, 24)). A number: G must be a multiple of it, N a divisor.
     canonical_partitions: Any = "auto"
     reader: PetastormReader = PetastormReader.auto
+    # thread: Arrow decodes without the GIL; process: where decoding is Python work (images).
     reader_pool_type: ReaderPool = ReaderPool.thread
     # Row groups read in parallel (per rank).
     workers_count: int = 2
@@ -375,6 +379,10 @@ class PetastormDataConfig(BaseDataConfig):
             c,
             "use auto or a positive number of partitions, e.g. data.canonical_partitions=24",
         )
+
+
+# data=petastorm's schema by its former name (configs and code written before data=parquet).
+PetastormDataConfig = ParquetDataConfig
 
 
 @dataclass

@@ -19,7 +19,8 @@ SCHEMAS = {
     "schema_trainer": schema.TrainerConfig,
     "schema_checkpoint": schema.CheckpointConfig,
     "schema_data_loader": schema.LoaderDataConfig,
-    "schema_data_petastorm": schema.PetastormDataConfig,
+    "schema_data_parquet": schema.ParquetDataConfig,
+    "schema_data_petastorm": schema.ParquetDataConfig,  # the former name, for users' option YAMLs
     "schema_strategy_ddp": schema.DDPStrategyConfig,
     "schema_strategy_zero": schema.ZeroStrategyConfig,
     "schema_strategy_fsdp": schema.FSDPStrategyConfig,

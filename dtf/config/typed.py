@@ -18,7 +18,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from dtf.config import schema
 from dtf.errors import UserError
 
-DataConfig = schema.LoaderDataConfig | schema.PetastormDataConfig
+DataConfig = schema.LoaderDataConfig | schema.ParquetDataConfig
 StrategyConfig = schema.DDPStrategyConfig | schema.ZeroStrategyConfig | schema.FSDPStrategyConfig
 LauncherConfig = schema.LocalLauncherConfig | schema.SlurmLauncherConfig | schema.SparkLauncherConfig
 
@@ -33,7 +33,12 @@ LAUNCHERS: dict[str, type] = {
     "slurm": schema.SlurmLauncherConfig,
     "spark": schema.SparkLauncherConfig,
 }
-DATA: dict[str, type] = {"loader": schema.LoaderDataConfig, "petastorm": schema.PetastormDataConfig}
+# kind petastorm: data=parquet by its former name.
+DATA: dict[str, type] = {
+    "loader": schema.LoaderDataConfig,
+    "parquet": schema.ParquetDataConfig,
+    "petastorm": schema.ParquetDataConfig,
+}
 # What a missing (???) value means to the user, where the generic sentence would not say enough.
 MISSING_HINTS = {"data.path": "give the Parquet data to train on, e.g. data.path=data/train"}
 
@@ -57,7 +62,7 @@ def typed(cfg: DictConfig) -> RunConfig:
     return RunConfig(
         trainer=section(cfg, "trainer", schema.TrainerConfig),
         checkpoint=section(cfg, "checkpoint", schema.CheckpointConfig),
-        data=section(cfg, "data", DATA["petastorm" if _is_petastorm(cfg.data) else "loader"]),
+        data=section(cfg, "data", DATA["parquet" if _is_parquet(cfg.data) else "loader"]),
         strategy=section(cfg, "strategy", _by_name(cfg.strategy, STRATEGIES, "strategy")),
         launcher=section(cfg, "launcher", _by_name(cfg.launcher, LAUNCHERS, "launcher")),
         trial=section(cfg, "trial", schema.TrialConfig) if cfg.get("trial") is not None else None,
@@ -65,9 +70,9 @@ def typed(cfg: DictConfig) -> RunConfig:
     )
 
 
-def _is_petastorm(data: DictConfig) -> bool:
+def _is_parquet(data: DictConfig) -> bool:
     kind = data.get("kind") if "kind" in data else None
-    return kind == "petastorm" or (kind is None and "path" in data.keys())  # noqa: SIM118 (a path still ??? too)
+    return kind in ("parquet", "petastorm") or (kind is None and "path" in data.keys())  # noqa: SIM118 (a path still ??? too)
 
 
 def _by_name(node: DictConfig, classes: dict[str, type], key: str) -> type:

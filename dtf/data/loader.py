@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
 from dtf import signals
-from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
+from dtf.config.schema import LoaderDataConfig, ParquetDataConfig
 from dtf.config.typed import DataConfig
 from dtf.data.fetch import fetching
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
@@ -198,7 +198,7 @@ def build(
     cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
 ) -> tuple[TrainData, EvalData | None]:
     """recorded_partitions: the canonical partitions of the checkpoint a resumed run starts from (Parquet)."""
-    if isinstance(cfg, PetastormDataConfig):
+    if isinstance(cfg, ParquetDataConfig):
         from dtf.data.parquet import data as parquet  # petastorm and pyarrow: only for runs that read Parquet
 
         return parquet.build(cfg, env, seed, recorded_partitions)

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from dtf import failures
 from dtf import strategy as strategies
-from dtf.config.schema import PetastormDataConfig
+from dtf.config.schema import ParquetDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
 from dtf.data.loader import EvalData, TrainData
@@ -198,7 +198,7 @@ def lr_schedule(run: RunConfig, optimizer: Optimizer, world_size: int) -> schedu
 
 def label_source(data: DataConfig) -> str:
     """Where the labels come from, as error messages name it."""
-    if isinstance(data, PetastormDataConfig):
+    if isinstance(data, ParquetDataConfig):
         return f"data.label_column={data.label_column}"
     return "data.dataset (its targets)"
 

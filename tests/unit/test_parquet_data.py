@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from dtf.config.schema import LoaderDataConfig, PetastormDataConfig
 from dtf.data import loader
 from dtf.data.parquet import data as parquet
+from dtf.data.parquet import reader
 from dtf.data.parquet.plan import EpochOrder, Partitions, auto_partitions
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -282,10 +283,12 @@ def test_a_resume_at_another_global_batch_continues_every_partition_from_the_row
 
 
 def _worker_pids() -> set[int]:
-    """This process's children: the workers of reader_pool_type=process."""
+    """This process's children: the workers of reader_pool_type=process (not multiprocessing's
+    resource tracker, which a process pool starts once and which stays for the life of the process)."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    children = psutil.Process().children(recursive=True)
+    return {p.pid for p in children if "resource_tracker" not in " ".join(p.cmdline())}
 
 
 def test_an_epoch_left_in_the_middle_stops_its_reader_processes(tmp_path: Path) -> None:
@@ -306,7 +309,9 @@ def test_the_next_epoch_read_ahead_gives_the_same_batches_and_is_let_go_when_not
     tmp_path: Path, pool: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 20 row groups of uneven sizes: 4 partitions per rank need several each, so the read-ahead
-    # starts in the middle of an epoch, not at its first step.
+    # starts in the middle of an epoch, not at its first step (chunks of 4 steps: the default
+    # chunk would gather most of this small epoch at its first step).
+    monkeypatch.setattr(reader, "CHUNK_STEPS", 4)
     path = write_row_groups(tmp_path / "many", [[97, 64, 130, 5], [50] * 8, [211, 3, 88], [40] * 5])
     settings = {"batch_size": 8, "reader_pool_type": pool, "workers_count": 2}
     started: list[tuple[int, int]] = []  # (epoch being read, batches of it taken) at each reading's start

@@ -1,9 +1,9 @@
-"""`data=petastorm`: Parquet or a Petastorm dataset as train and test batches, equal in number on every rank.
+"""`data=parquet`: Parquet or a Petastorm dataset as train and test batches, equal in number on every rank.
 
 Every epoch each rank plans its rows from the Parquet metadata (dtf.data.parquet.plan): the
-epoch's canonical partitions it owns. It reads the row groups they touch through Petastorm
-(dtf.data.parquet.reader) and makes every step's (features, labels) batch, the shape the default
-training step expects, from the next rows of each of its partitions.
+epoch's canonical partitions it owns. It reads the row groups they touch (dtf.data.parquet.reader)
+and makes every step's (features, labels) batch, the shape the default training step expects,
+from the next rows of each of its partitions.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import ListConfig
 
-from dtf.config.schema import PetastormDataConfig
+from dtf.config.schema import ParquetDataConfig
 from dtf.data.parquet.plan import (
     EpochOrder,
     Partitions,
@@ -31,7 +31,7 @@ from dtf.data.parquet.plan import (
     remainder_rows,
     stream_of,
 )
-from dtf.data.parquet.reader import Columns, Part, ReaderOptions, StepReading, assemble
+from dtf.data.parquet.reader import Columns, ReaderOptions, StepReading
 from dtf.data.parquet.source import ParquetSource, open_sources
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -127,8 +127,7 @@ class _Stream:
         bounds = [*range(0, len(stream), batch_size), len(stream)] if len(stream) else []
         reading = self.start_reading([stream], bounds)
         try:
-            for parts in reading:
-                yield self.step_batch(parts)
+            yield from self.steps(reading)
         finally:
             reading.close()
 
@@ -142,10 +141,14 @@ class _Stream:
         """The reading of these steps, its workers started (they read ahead from now on)."""
         return StepReading(self.source, streams, bounds, self.layout.columns, self.reader)
 
-    def step_batch(self, parts: Sequence[Part]) -> Batch:
-        """One step's batch: its rows of every partition, concatenated in partition order."""
-        x, y = self.layout.arrays(assemble(parts))
-        return self._finish(torch.from_numpy(x), torch.from_numpy(y))
+    def steps(self, reading: StepReading) -> Iterator[Batch]:
+        """A reading's batches: each step's rows of every partition, concatenated in partition order
+        (features and labels made a chunk of steps at a time, each batch a slice of them)."""
+        for chunk, spans in reading.chunks():
+            x, y = self.layout.arrays(chunk)
+            features, labels = torch.from_numpy(x), torch.from_numpy(y)
+            for span in spans:
+                yield self._finish(features[span], labels[span])
 
 
 @dataclass
@@ -265,13 +268,13 @@ class ParquetTrainData:
         # epoch is left, finished or not.
         reading = self._claim_ahead((epoch, start_batch)) or self._start_reading(epoch, start_batch)
         try:
-            for parts in reading:
+            for batch in self.stream.steps(reading):
                 # Before the yield: after an epoch's last batch the trainer asks for no more. One
-                # reader at a time: this epoch's has nothing left to read (its idle workers poll).
+                # reader at a time: this epoch's has nothing left to read.
                 if read_ahead and reading.all_arrived and self._ahead is None:
                     reading.close()
                     self._ahead = (epoch + 1, 0), self._start_reading(epoch + 1, 0)
-                yield self.stream.step_batch(parts)
+                yield batch
         finally:
             reading.close()
 
@@ -296,9 +299,9 @@ class ParquetTrainData:
             rest = f"{self.num_repeated_per_epoch} rows repeated per epoch (data.remainder=pad)"
         else:
             rest = f"{self.num_dropped_per_epoch} rows dropped per epoch (data.remainder=drop)"
-        kind = "make_reader" if self.stream.reader.row_reader else "make_batch_reader"
+        kind = "a Petastorm dataset (codecs decoded)" if self.stream.reader.row_reader else "Parquet"
         return (
-            f"{self.stream.source.describe()} via petastorm {kind}, {len(self)} batches per rank per epoch, {rest}, "
+            f"{self.stream.source.describe()} of {kind}, {len(self)} batches per rank per epoch, {rest}, "
             f"{self.num_partitions} canonical partitions"
         )
 
@@ -360,13 +363,12 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
 
 
 def build(
-    cfg: PetastormDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
+    cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
 ) -> tuple[ParquetTrainData, ParquetEvalData | None]:
     """recorded_partitions: data.canonical_partitions as the checkpoint a resumed run starts from recorded it."""
     source, test = open_sources(cfg, env.world_size)
     _check_same_everywhere(f"{source.fingerprint()}; test: {test.fingerprint() if test else None}", env)
     features = list(cfg.feature_columns)
-    storage = dict(cfg.storage_options)
     kind = _value(cfg.reader)
     transform = build_transform(cfg.transform)
     dtype = feature_dtype(cfg.feature_dtype)
@@ -378,7 +380,6 @@ def build(
             pool_type=_value(cfg.reader_pool_type),
             workers_count=cfg.workers_count,
             results_queue_size=cfg.results_queue_size,
-            storage_options=storage,
         )
         layout = BatchLayout(tuple(features), cfg.label_column, dict(src.shapes), dtype)
         return _Stream(src, layout, reader, transform)

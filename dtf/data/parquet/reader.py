@@ -1,217 +1,175 @@
-"""Read planned row-group segments through Petastorm's reader workers, in plan order.
+"""Read planned rows of a Parquet data set, row group by row group, on a pool of workers.
 
-Petastorm's workers read row groups on a pool and hand them out as they finish, so with more
-than one worker their order varies from run to run. A plan needs a fixed order: each worker
-here tags what it publishes with its row group's index, and the consumer puts the row groups
-back into plan order (holding at most what the pool has prefetched). Petastorm lists, opens,
-decodes (Unischema codecs) and prefetches; dtf chooses which row groups, in which order, which
-of their rows, and which fields: Petastorm's Reader would infer those from the first file alone
-(see dtf.data.parquet.source), so the workers are started here, as the Reader starts them, with the
-fields dtf found in all files.
+A reading is the rows of one or more streams (a rank's partitions) in the order the plan uses
+them, cut into steps. Workers (threads by default: Arrow decodes without the GIL; processes where
+decoding is Python work, such as images) read whole row groups with pyarrow and turn their columns
+into numpy arrays, decoding a Petastorm dataset's codecs on the way; they read in the order the
+row groups are first needed, as far ahead as data.results_queue_size allows. The consumer gathers
+the rows of several steps at once (a chunk) with one vectorized copy per row group and column, and
+hands out each step's rows as views of that chunk: the per-step cost is a few slices, whatever the
+number of partitions a step takes its rows from.
 """
 
 from __future__ import annotations
 
-import re
+import multiprocessing
+import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from petastorm.arrow_reader_worker import ArrowReaderWorker
-from petastorm.cache import NullCache
-from petastorm.etl.dataset_metadata import load_row_groups
-from petastorm.py_dict_reader_worker import PyDictReaderWorker
-from petastorm.reader_impl.pickle_serializer import PickleSerializer
-from petastorm.unischema import Unischema
-from petastorm.workers_pool import EmptyResultError
-from petastorm.workers_pool.dummy_pool import DummyPool
-from petastorm.workers_pool.process_pool import ProcessPool
-from petastorm.workers_pool.thread_pool import ThreadPool
-from petastorm.workers_pool.ventilator import ConcurrentVentilator
 
+from dtf.data.parquet.petastorm_format import PetastormField, decode
 from dtf.data.parquet.plan import Stream
-from dtf.data.parquet.source import (
-    IMAGE_FIX,
-    ParquetSource,
-    first_line,
-    is_vector,
-    open_dataset,
-    quiet_petastorm,
-    resolve,
-)
+from dtf.data.parquet.source import IMAGE_FIX, ParquetSource, filesystem, first_line, is_vector, list_dataset
 from dtf.errors import UserError
 from dtf.signals import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
 
-# Row groups handed to the pool beyond one per worker (as Petastorm's Reader does).
-_VENTILATE_EXTRA = 2
-# How often the ventilator looks whether it may hand out the next row group (Petastorm's: 10 ms,
-# a pause the workers sit idle through whenever the read-ahead was full).
-_VENTILATION_INTERVAL_S = 0.002
+# A chunk of steps: enough steps that its work (a sort, a copy per row group and column) is small
+# per step, and at most a few MB (decoded), so that a chunk of images stays small.
+CHUNK_STEPS = 64
+CHUNK_BYTES = 4 << 20
 
 
 class WorkerReadError(Exception):
     """A worker's failure as one line naming the file (and the field), picklable across processes."""
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    seen = {id(error)}
-    while (nxt := error.__cause__ or error.__context__) is not None and id(nxt) not in seen:
-        seen.add(id(nxt))
-        error = nxt
-    return error
-
-
-def describe_read_error(error: BaseException, path: str, row_group: int) -> str:
+def describe_read_error(error: BaseException, path: str, row_group: int, column: str | None) -> str:
     """One line: what failed in which file, the root cause, and its fix where dtf knows it."""
-    field = re.match(r'Decoding field "(.+)" failed', str(error))
-    root = _root_cause(error)
-    what = f"decoding field {field.group(1)!r} of {path}" if field else f"reading {path} (row group {row_group})"
-    line = f"{what} failed ({first_line(root)})"
-    if "cv2" in str(root):  # Petastorm's image codec without OpenCV where it decodes
+    what = f"decoding field {column!r} of {path}" if column else f"reading {path} (row group {row_group})"
+    line = f"{what} failed ({first_line(error)})"
+    if isinstance(error, ImportError) and "cv2" in str(error):
         line += f": Petastorm's png/jpeg codec needs OpenCV in every process that reads: {IMAGE_FIX}"
     return line
 
 
-class _TagsResults:
-    """Mixin for petastorm's reader workers: publishes (row group index, result) instead of the
-    result alone, so the main thread can put row groups back into plan order; a failure is published
-    as a WorkerReadError that names the file."""
-
-    publish_func: Callable[[Any], None]
-    _split_pieces: Sequence[Any]
-
-    def __init__(self, worker_id: int, publish_func: Callable[[Any], None], args: Any) -> None:
-        quiet_petastorm()  # also in the worker processes of reader_pool_type=process
-        super().__init__(worker_id, publish_func, args)  # type: ignore[call-arg]
-
-    def process(self, piece_index: int, worker_predicate: Any, shuffle_row_drop_partition: Any) -> None:
-        publish = self.publish_func
-        self.publish_func = lambda result: publish((piece_index, result))
-        try:
-            super().process(piece_index, worker_predicate, shuffle_row_drop_partition)  # type: ignore[misc]
-        except Exception as e:
-            # Published as a result, not raised: the pool would print a traceback and stop the worker.
-            piece = self._split_pieces[piece_index]
-            publish((piece_index, WorkerReadError(describe_read_error(e, piece.path, piece.row_group))))
-        finally:
-            self.publish_func = publish
-
-
-class _InOwnProcess:
-    """Mixin for the workers of reader_pool_type=process (constructed in their own process, not in the
-    rank): they ignore the stop signals the rank handles, which a job's scheduler sends to every process."""
-
-    def __init__(self, *args: Any) -> None:
-        ignore_stop_signals()
-        super().__init__(*args)
-
-
-class _TaggedArrowWorker(_TagsResults, ArrowReaderWorker):
-    """make_batch_reader's worker (whole row groups as Arrow tables)."""
-
-
-class _TaggedPyDictWorker(_TagsResults, PyDictReaderWorker):
-    """make_reader's worker (rows decoded by the Unischema's codecs)."""
-
-
-class _ProcessArrowWorker(_InOwnProcess, _TaggedArrowWorker):
-    pass
-
-
-class _ProcessPyDictWorker(_InOwnProcess, _TaggedPyDictWorker):
-    pass
-
-
 @dataclass(frozen=True)
 class ReaderOptions:
-    """How Petastorm reads: its reader (make_reader or make_batch_reader) and its worker pool."""
+    """How row groups are read: decoded by the Petastorm codecs or not, and on which worker pool."""
 
-    row_reader: bool  # make_reader's decoding (Petastorm datasets), else make_batch_reader's Arrow tables
+    row_reader: bool  # decode a Petastorm dataset's codecs (make_reader's values), else columns as stored
     pool_type: str = "thread"  # thread | process | dummy
     workers_count: int = 2
-    results_queue_size: int = 50
-    storage_options: dict[str, Any] | None = None
-
-
-def _make_pool(opts: ReaderOptions) -> Any:
-    if opts.pool_type == "thread":
-        return ThreadPool(opts.workers_count, opts.results_queue_size)
-    if opts.pool_type == "process":
-        # Pickle (not Petastorm's Arrow serializer): the tagged results are (index, payload) pairs.
-        return ProcessPool(opts.workers_count, PickleSerializer())
-    return DummyPool()
-
-
-def _start(
-    pool: Any,
-    source: ParquetSource,
-    pieces: Sequence[int],
-    columns: Sequence[str],
-    opts: ReaderOptions,
-    num_streams: int = 1,
-) -> None:
-    """What Petastorm's Reader does to start reading, with dtf's fields, row groups and order."""
-    fs, path = resolve(source.url, opts.storage_options)
-    dataset = open_dataset(fs, path, source.filters)
-    row_groups = load_row_groups(dataset)
-    listed = tuple((p.path, p.row_group) for p in row_groups)
-    if listed != source.pieces:
-        raise UserError(
-            f"{source.key}={source.url} changed while in use ({len(listed)} row groups now, "
-            f"{len(source.pieces)} when planned): do not write to a data set a run is reading"
-        )
-    schema = Unischema(source.unischema._name, [source.unischema.fields[c] for c in dict.fromkeys(columns)])
-    items = [{"piece_index": i, "worker_predicate": None, "shuffle_row_drop_partition": (0, 1)} for i in pieces]
-    ventilator = ConcurrentVentilator(
-        pool.ventilate,
-        items,
-        iterations=1,
-        # num_streams partitions read in lockstep tend to need their next row groups at the same
-        # step: room for one each ahead, or the workers would wait for the consumer between them.
-        max_ventilation_queue_size=pool.workers_count + _VENTILATE_EXTRA + num_streams - 1,
-        ventilation_interval=_VENTILATION_INTERVAL_S,
-        randomize_item_order=False,  # the plan already ordered them
-    )
-    worker: type = _TaggedPyDictWorker if opts.row_reader else _TaggedArrowWorker
-    if opts.pool_type == "process":
-        worker = _ProcessPyDictWorker if opts.row_reader else _ProcessArrowWorker
-    filters = [list(c) for c in source.filters] if source.filters else None
-    # The worker arguments of Petastorm's Reader: filesystem, path, schema, ngram, row groups, cache,
-    # transform spec, transformed schema, filters, shuffle_rows, seed.
-    pool.start(worker, (fs, path, schema, None, row_groups, NullCache(), None, schema, filters, False, 0), ventilator)
-
-
-# Where a part of a step's rows is: arrays (one per column) and the rows in them (indices, or a slice).
-Part = tuple[Columns, "np.ndarray | slice"]
+    results_queue_size: int = 8
 
 
 @dataclass(frozen=True)
-class _Run:
-    """Rows [start, end) of stream `part` that come from one row group, `piece`."""
+class RowGroupReader:
+    """Reads one row group's columns as numpy arrays (what a worker runs; picklable for processes)."""
 
-    part: int
-    piece: int
-    start: int
-    end: int
+    source: ParquetSource
+    columns: tuple[str, ...]
+    fields: Mapping[str, PetastormField]  # the columns decoded by their Petastorm codec
+
+    def __call__(self, piece: int) -> Columns:
+        path, row_group = self.source.pieces[piece]
+        partition = self.source.partition_values.get(path, {})
+        stored = [c for c in self.columns if c not in partition]
+        column: str | None = None
+        try:
+            # One thread's reads are sequential: Arrow parallelism inside them would only compete with the others'.
+            table = _open(self.source, path).read_row_group(row_group, columns=stored, use_threads=False)
+            out: Columns = {}
+            for column in self.columns:
+                if column in partition:
+                    out[column] = np.full(table.num_rows, partition[column])
+                elif column in self.fields:
+                    out[column] = decode(self.fields[column], table.column(column))
+                else:
+                    out[column] = arrow_to_numpy(table.column(column), column)
+            return out
+        except UserError:
+            raise
+        except Exception as e:
+            decoding = column if column in self.fields else None
+            raise WorkerReadError(describe_read_error(e, path, row_group, decoding)) from None
+
+
+# Each worker thread keeps the files it read last open (their footers parsed once): a few, since
+# a rank reads about one row group per partition at a time. They close when the thread ends.
+_OPEN_FILES = 16
+_THREAD = threading.local()
+
+
+def _open(source: ParquetSource, path: str) -> Any:
+    import pyarrow.parquet as pq
+
+    files: OrderedDict[tuple[str, str], Any] = _THREAD.__dict__.setdefault("files", OrderedDict())
+    key = (source.url, path)
+    if key in files:
+        files.move_to_end(key)
+        return files[key]
+    fs, _ = filesystem(source.url, source.storage_options)
+    files[key] = pq.ParquetFile(fs.open_input_file(path), metadata=source.footers.get(path))
+    if len(files) > _OPEN_FILES:
+        files.popitem(last=False)[1].close(force=True)
+    return files[key]
+
+
+_PROCESS_READER: RowGroupReader | None = None
+
+
+def _start_process_worker(reader: RowGroupReader) -> None:
+    """A process worker's start: it ignores the stop signals its rank handles (a scheduler signals
+    every process of a job), and keeps the reader, sent once rather than with every row group."""
+    global _PROCESS_READER
+    ignore_stop_signals()
+    _PROCESS_READER = reader
+
+
+def _read_in_process(piece: int) -> Columns:
+    assert _PROCESS_READER is not None
+    return _PROCESS_READER(piece)
+
+
+def _make_pool(opts: ReaderOptions, reader: RowGroupReader) -> Executor | None:
+    if opts.pool_type == "thread":
+        return ThreadPoolExecutor(max_workers=opts.workers_count, thread_name_prefix="dtf-parquet")
+    if opts.pool_type == "process":
+        # spawn: a rank has threads (gloo, torch's pools), which fork would copy in an unknown state.
+        return ProcessPoolExecutor(
+            max_workers=opts.workers_count,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_process_worker,
+            initargs=(reader,),
+        )
+    return None  # dummy: read in the consumer, when a row group is needed
+
+
+def _stop_pool(pool: Executor) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """A stream's rows grouped by row group: run j is rows [starts[j], starts[j + 1]) from pieces[j]."""
+
+    starts: np.ndarray
+    pieces: np.ndarray
+
+    @staticmethod
+    def of(stream: Stream) -> _Runs:
+        cuts = np.flatnonzero(stream.pieces[1:] != stream.pieces[:-1]) + 1
+        starts = np.concatenate([[0], cuts, [len(stream)]]).astype(np.int64) if len(stream) else np.zeros(1, np.int64)
+        return _Runs(starts, stream.pieces[starts[:-1]])
 
 
 class StepReading:
-    """The reading of steps of one or more streams (a rank's partitions) through one pool of
-    Petastorm workers. It starts when made: the workers read ahead from then on, before (and
-    while) the steps are iterated, once.
+    """The reading of steps of one or more streams (a rank's partitions). It starts when made: the
+    workers read ahead from then on, before (and while) the steps are iterated, once.
 
-    Step t takes the rows [bounds[t], bounds[t + 1]) of every stream. Every row group is read
-    once, in the order it is first needed. When it arrives, the run of rows it gives the stream
-    that needs it first is read out of it step by step (the row group is held until then); the
-    runs it gives later (the tail of a partition whose next one starts in it, padding) are
-    gathered out of it at once, so that it can be let go. So a rank holds about one row group per
-    stream, plus what the pool has read ahead, and a row group that two partitions share, or that
-    padding repeats, is not read twice. Runs are found once per reading, with numpy: a step costs
-    a few lookups per stream, not a walk over segment objects.
+    Step t takes the rows [bounds[t], bounds[t + 1]) of every stream, concatenated in stream order.
+    Several streams take the same number of rows every step (a rank's partitions); one stream may
+    take any (evaluation batches, the last one short). Every row group is read once, in the order
+    it is first needed, and let go after the chunk of steps that needs it last: a rank holds about
+    one row group per stream, the chunk being handed out, and what the workers read ahead.
     """
 
     def __init__(
@@ -222,152 +180,206 @@ class StepReading:
         columns: Sequence[str],
         opts: ReaderOptions,
     ) -> None:
-        self.source, self.streams, self.columns, self.opts = source, streams, columns, opts
-        self.bounds = [int(b) for b in bounds]
-        used = self.bounds[-1] if self.bounds else 0
-        self.runs: list[list[_Run]] = []
-        first_use: list[tuple[int, int, int]] = []  # (step, stream, run): the order row groups are needed in
-        for k, stream in enumerate(streams):
-            pieces = stream.pieces[:used]
-            cuts = (np.flatnonzero(pieces[1:] != pieces[:-1]) + 1).tolist()
-            starts, ends = [0, *cuts], [*cuts, len(pieces)]
-            self.runs.append([_Run(k, int(pieces[a]), a, b) for a, b in zip(starts, ends, strict=True) if b > a])
-            steps = np.searchsorted(self.bounds, starts, side="right") - 1
-            first_use += [(int(t), k, j) for j, t in enumerate(steps[: len(self.runs[k])])]
-        # row group -> its runs in the order of use; a row group leaves this when it arrives.
-        self.pending: dict[int, list[_Run]] = {}
-        for _, k, j in sorted(first_use):
-            run = self.runs[k][j]
-            self.pending.setdefault(run.piece, []).append(run)
-        # (stream, run start) -> where the run's rows are, from its row group's arrival until used:
-        # (columns, None): the row group itself, indexed by the stream's row numbers;
-        # (columns, offset): rows of the run in order, position p of the stream at p - offset.
-        self.sources: dict[tuple[int, int], tuple[Columns, int | None]] = {}
-        self.pool: Any = None
-        if self.pending:  # Petastorm publishes nothing for a row group without rows: none is planned
-            quiet_petastorm()
-            self.pool = _make_pool(opts)
-            # Stopped when closed, or collected, or at exit at the latest: worker threads still
-            # reading while the interpreter shuts down can abort it.
+        self.source, self.opts = source, opts
+        self.columns = tuple(dict.fromkeys(columns))
+        self.bounds = np.asarray(bounds, dtype=np.int64) if len(bounds) else np.zeros(1, np.int64)
+        self.steps = len(self.bounds) - 1
+        used = int(self.bounds[-1])
+        self.streams = [s[:used] for s in streams] if self.steps else []
+        widths = np.diff(self.bounds)
+        assert len(self.streams) <= 1 or np.all(widths == widths[0]), "partitions take equal rows every step"
+        self.runs = [_Runs.of(s) for s in self.streams]
+        # Row groups in the order they are first needed (by step, then stream), and the step that needs each last.
+        first: dict[int, tuple[int, int]] = {}
+        self.last_step: dict[int, int] = {}
+        for k, runs in enumerate(self.runs):
+            begins = np.searchsorted(self.bounds, runs.starts[:-1], side="right") - 1
+            ends = np.searchsorted(self.bounds, runs.starts[1:] - 1, side="right") - 1
+            for piece, begin, end in zip(runs.pieces.tolist(), begins.tolist(), ends.tolist(), strict=True):
+                first[piece] = min(first.get(piece, (begin, k)), (begin, k))
+                self.last_step[piece] = max(self.last_step.get(piece, end), end)
+        self.order = sorted(first, key=first.__getitem__)
+        self.position = {piece: i for i, piece in enumerate(self.order)}
+        self.row_bytes = _stored_row_bytes(source)  # until a row group arrives and says it decoded
+        self.arrived: dict[int, Columns] = {}  # row groups at the consumer, until the chunk that needs them last
+        self.futures: dict[int, Future[Columns]] = {}
+        self.next_submit = 0  # the index in self.order of the next row group to hand a worker
+        self.received = 0
+        fields = source.unischema.fields if opts.row_reader and source.unischema is not None else {}
+        self.reader = RowGroupReader(source, self.columns, {c: fields[c] for c in self.columns if c in fields})
+        self.pool: Executor | None = None
+        self._closed = False
+        if self.order:
+            _check_unchanged(source)
+        if self.order and opts.pool_type != "dummy":
+            self.pool = _make_pool(opts, self.reader)
+            assert self.pool is not None
+            # Stopped when closed, or collected, or at exit at the latest.
             self._stop = weakref.finalize(self, _stop_pool, self.pool)
-            _start(self.pool, source, list(self.pending), columns, opts, num_streams=len(streams))
+            self._submit(upto=0)
 
     @property
     def all_arrived(self) -> bool:
         """Every row group this reading needs has reached the consumer: its workers have nothing left to do."""
-        return not self.pending
+        return self.received == len(self.order)
 
-    def __iter__(self) -> Iterator[list[Part]]:
-        arrived: dict[int, Any] = {}  # read ahead of their turn
-        current = [0] * len(self.streams)  # per stream, its run at the step's first row
-        for lo, hi in zip(self.bounds, self.bounds[1:], strict=False):
-            parts: list[Part] = []
-            for k, runs in enumerate(self.runs):
-                j, at = current[k], lo
-                while at < hi:
-                    run = runs[j]
-                    key = (k, run.start)
-                    if key not in self.sources:
-                        self._receive(run.piece, arrived)
-                    columns, offset = self.sources[key]
-                    end = min(hi, run.end)
-                    rows = self.streams[k].rows[at:end] if offset is None else slice(at - offset, end - offset)
-                    parts.append((columns, rows))
-                    if end == run.end:  # the run is used up: let go of its rows
-                        del self.sources[key]
-                        j += 1
-                    at = end
-                current[k] = j
-            yield parts
-        self.close()
+    def _submit(self, upto: int) -> None:
+        """Hand workers the row groups up to order[upto], and as many beyond as may be read ahead."""
+        ahead = max(self.opts.results_queue_size, self.opts.workers_count)
+        limit = min(len(self.order), max(upto + 1, self.received + ahead))
+        pool = self.pool
+        assert pool is not None
+        while self.next_submit < limit:
+            piece = self.order[self.next_submit]
+            task = _read_in_process if self.opts.pool_type == "process" else self.reader
+            self.futures[piece] = pool.submit(task, piece)
+            self.next_submit += 1
 
-    def _receive(self, piece: int, arrived: dict[int, Any]) -> None:
-        """Wait for a row group, keeping those that arrive before it, and place its runs' rows."""
-        while piece not in arrived:
-            got, payload = _next_result(self.pool, self.source, piece)
-            if isinstance(payload, WorkerReadError):
-                raise UserError(f"{self.source.key}={self.source.url}: {payload}")
-            arrived[got] = payload
-        self._place(arrived.pop(piece), self.pending.pop(piece))
+    def _receive(self, piece: int) -> Columns:
+        if piece in self.arrived:
+            return self.arrived[piece]
+        if self.pool is None:
+            columns = self._result(piece, None)
+        else:
+            self._submit(upto=self.position[piece])
+            columns = self._result(piece, self.futures.pop(piece))
+        self.arrived[piece] = columns
+        self.received += 1
+        rows = len(next(iter(columns.values()))) if columns else 0
+        if rows:
+            self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
+        return columns
 
-    def _place(self, payload: Any, runs: list[_Run]) -> None:
-        """Where the rows of one row group's runs are: the first run in the row group itself (as
-        zero-copy arrays), later ones gathered out of it now (the row reader's decoded rows: every run)."""
-        whole = (
-            None
-            if self.opts.row_reader
-            else {name: arrow_to_numpy(payload.column(name), name) for name in dict.fromkeys(self.columns)}
-        )
-        for n, run in enumerate(runs):
-            rows = self.streams[run.part].rows[run.start : run.end]
-            key = run.part, run.start
-            if whole is None:
-                self.sources[key] = (_rows_to_columns(payload, rows, self.columns), run.start)
-            elif n > 0:  # a copy: a view would hold the whole row group until this run is used
-                self.sources[key] = ({name: values[rows] for name, values in whole.items()}, run.start)
-            elif _is_range(rows):  # stored order: a slice of the row group, no copy
-                self.sources[key] = (whole, run.start - int(rows[0]))
-            else:
-                self.sources[key] = (whole, None)
+    def _result(self, piece: int, future: Future[Columns] | None) -> Columns:
+        try:
+            return self.reader(piece) if future is None else future.result()
+        except WorkerReadError as e:
+            raise UserError(f"{self.source.key}={self.source.url}: {e}") from None
+        except UserError:
+            raise
+        except Exception as e:  # the pool itself failed (a worker process died)
+            path, row_group = self.source.pieces[piece]
+            raise UserError(
+                f"{self.source.key}={self.source.url}: reading {path} (row group {row_group}) failed ({first_line(e)})"
+            ) from None
+
+    def chunks(self) -> Iterator[tuple[Columns, list[slice]]]:
+        """The steps a chunk at a time: the chunk's rows, one array per column, and each step's rows in it."""
+        first, n = 0, len(self.streams)
+        try:
+            while first < self.steps:
+                last = min(self.steps, first + self._chunk_steps(first))
+                chunk = self._gather(first, last)
+                lo = int(self.bounds[first]) * n
+                spans = [
+                    slice(int(self.bounds[t]) * n - lo, int(self.bounds[t + 1]) * n - lo) for t in range(first, last)
+                ]
+                for piece in [p for p in self.arrived if self.last_step[p] < last]:
+                    del self.arrived[piece]
+                yield chunk, spans
+                first = last
+        finally:
+            self.close()
+
+    def __iter__(self) -> Iterator[Columns]:
+        """Each step's rows, one array per column (views of its chunk's)."""
+        for chunk, spans in self.chunks():
+            for span in spans:
+                yield {name: values[span] for name, values in chunk.items()}
+
+    def _chunk_steps(self, step: int) -> int:
+        rows = max(1, int(self.bounds[step + 1] - self.bounds[step]) * len(self.streams))
+        return max(1, min(CHUNK_STEPS, CHUNK_BYTES // max(1, rows * self.row_bytes)))
+
+    def _gather(self, first: int, last: int) -> Columns:
+        """The rows of steps [first, last), one array per column, in step order: each stream's rows
+        are copied out of their row groups a run at a time, then the streams are interleaved step by
+        step (one more copy, where there are several)."""
+        lo, hi = int(self.bounds[first]), int(self.bounds[last])
+        per_stream: dict[str, np.ndarray] = {}
+        for k, (stream, runs) in enumerate(zip(self.streams, self.runs, strict=True)):
+            j = int(np.searchsorted(runs.starts, lo, side="right")) - 1
+            at = lo
+            while at < hi:
+                end = min(hi, int(runs.starts[j + 1]))
+                values = self._receive(int(runs.pieces[j]))
+                rows = stream.rows[at:end]
+                whole = len(self.streams) == 1 and at == lo and end == hi and _is_range(rows)
+                for name, column in values.items():
+                    if whole:  # the chunk is one run of stored rows: a view, no copy
+                        per_stream[name] = column[int(rows[0]) : int(rows[0]) + len(rows)][None]
+                        continue
+                    out = per_stream.get(name)
+                    if out is None or out.shape[2:] != column.shape[1:] or not np.can_cast(column.dtype, out.dtype):
+                        out = per_stream[name] = _widen(out, column, (len(self.streams), hi - lo), name)
+                    if out.dtype == column.dtype:  # take into place: a third of a fancy index's time
+                        column.take(rows, axis=0, out=out[k, at - lo : end - lo], mode="clip")
+                    else:
+                        out[k, at - lo : end - lo] = column[rows]
+                at, j = end, j + 1
+        return {name: _interleave(out, last - first) for name, out in per_stream.items()}
 
     def close(self) -> None:
         """Stop the workers (those of a process pool end); the reading cannot be iterated after."""
+        if self._closed:
+            return
+        self._closed = True
+        self.arrived.clear()
         if self.pool is not None:
             self.pool = None
             self._stop()
 
     @property
     def closed(self) -> bool:
-        return self.pool is None
+        return self._closed
 
 
-def _stop_pool(pool: Any) -> None:
-    pool.stop()
-    pool.join()
+def _interleave(out: np.ndarray, steps: int) -> np.ndarray:
+    """(streams, steps x b, ...) -> the rows of step 0 of every stream, then step 1's, ... (one copy)."""
+    streams = out.shape[0]
+    if streams == 1:
+        return out[0]
+    b = out.shape[1] // steps
+    block = out.reshape(streams, steps, b, *out.shape[2:]).swapaxes(0, 1)
+    return np.ascontiguousarray(block).reshape(streams * steps * b, *out.shape[2:])
 
 
-def assemble(parts: Sequence[Part]) -> Columns:
-    """The rows of parts, in order, as one array per column: each row copied once (one part's
-    contiguous rows: a view)."""
-    if len(parts) == 1:
-        source, rows = parts[0]
-        return {name: values[rows] for name, values in source.items()}
-    total = sum(_count(rows) for _, rows in parts)
-    out = {}
-    for name in parts[0][0]:
-        dtype = np.result_type(*(source[name].dtype for source, _ in parts))
-        first = parts[0][0][name]
-        buffer = np.empty((total, *first.shape[1:]), dtype=dtype)
-        start = 0
-        for source, rows in parts:
-            stop = start + _count(rows)
-            values = source[name]
-            if isinstance(rows, slice) or values.dtype != dtype:
-                buffer[start:stop] = values[rows]
-            else:
-                values.take(rows, axis=0, out=buffer[start:stop], mode="clip")  # clip: unbuffered
-            start = stop
-        out[name] = buffer
-    return out
+def _stored_row_bytes(source: ParquetSource) -> int:
+    """Bytes per row as stored (uncompressed), a first guess at the decoded size."""
+    rows = sum(source.piece_rows)
+    stored = sum(
+        meta.row_group(g).total_byte_size for meta in source.footers.values() for g in range(meta.num_row_groups)
+    )
+    return max(1, stored // rows) if rows else 1
 
 
-def _count(rows: np.ndarray | slice) -> int:
-    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
-
-
-def _next_result(pool: Any, source: ParquetSource, waiting_for: int) -> tuple[int, Any]:
-    try:
-        return pool.get_results()
-    except EmptyResultError:
-        raise RuntimeError(f"Petastorm returned nothing for row group {waiting_for} of {source.url}") from None
-    except UserError:
-        raise
-    except Exception as e:  # an error of the pool itself
-        path, row_group = source.pieces[waiting_for]
+def _widen(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
+    """A chunk's array of a column, made for values (first row group), or widened for them: files
+    may store one column in different widths (int32 in one, int64 in another)."""
+    if have is None:
+        return np.empty((*shape, *values.shape[1:]), dtype=values.dtype)
+    if have.shape[2:] != values.shape[1:]:
         raise UserError(
-            f"{source.key}={source.url}: reading {path} (row group {row_group} or one before it) failed "
-            f"({first_line(e)})"
-        ) from None
+            f"column {name!r} holds values of shape {values.shape[1:]} in one row group and "
+            f"{have.shape[2:]} in another: every row needs one shape"
+        )
+    return have.astype(np.result_type(have.dtype, values.dtype))
+
+
+def _check_unchanged(source: ParquetSource) -> None:
+    """The files of a data set must stay those it was planned from: a reading starts by listing them again."""
+    fs, root = filesystem(source.url, source.storage_options)
+    try:
+        files = {f.path for f in list_dataset(fs, root).get_fragments()}
+    except Exception as e:
+        raise UserError(f"{source.key}={source.url} cannot be listed any more ({first_line(e)})") from None
+    planned = {path for path, _ in source.pieces}
+    if not planned <= files or (source.filters is None and files != planned):
+        gone = sorted(planned - files)
+        what = f"{gone[0]} is gone" if gone else f"{len(files - planned)} files were added"
+        raise UserError(
+            f"{source.key}={source.url} changed while in use ({what}): do not write to a data set a run is reading"
+        )
 
 
 def _is_range(rows: np.ndarray) -> bool:
@@ -395,10 +407,9 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
         values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if not _is_numeric(values.type):
             raise UserError(f"column {name!r} is a list of {values.type}: dtf reads lists of numbers only")
-        lengths = np.diff(offsets)
-        if len(lengths) and np.any(lengths != lengths[0]):
+        width = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
+        if (offsets[1:] - offsets[:-1] != width).any():
             raise UserError(f"column {name!r} holds lists of different lengths: every row needs the same length")
-        width = int(lengths[0]) if len(lengths) else 0
         return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
     if not _is_numeric(kind):
         # Binary columns are mostly a Petastorm codec's output (NdarrayCodec, images): only make_reader decodes them.
@@ -442,18 +453,3 @@ def _is_numeric(kind: Any) -> bool:
     import pyarrow as pa
 
     return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
-
-
-def _rows_to_columns(rows_read: list[dict[str, Any]], rows: np.ndarray, columns: Sequence[str]) -> Columns:
-    picked = [rows_read[i] for i in rows.tolist()]
-    out = {}
-    for name in columns:
-        items = [row[name] for row in picked]
-        try:  # decoded arrays (images, NdarrayCodec): stack copies them in one go, asarray walks them
-            values = np.stack(items) if isinstance(items[0], np.ndarray) else np.asarray(items)
-        except ValueError:  # arrays of different shapes
-            values = np.asarray(items, dtype=object)
-        if values.dtype == object:
-            raise UserError(f"column {name!r} decodes to values of different shapes or types: dtf cannot batch it")
-        out[name] = values
-    return out

@@ -1,74 +1,53 @@
 """What a Parquet data set holds, from its metadata only: row groups, their row counts, columns.
 
-The driver uses it to refuse bad settings before any rank starts; every rank uses it to
-plan its epochs. Row groups are listed the way Petastorm's Reader lists them
-(`load_row_groups`), so a plan's row-group indices are the Reader's piece indices.
+The driver uses it to refuse bad settings before any rank starts; every rank uses it to plan its
+epochs. Files are listed by pyarrow.dataset (Hive partitions, filters on them) and sorted by path,
+each file's row groups in order: the order Petastorm's Reader listed them in, so a plan's
+row-group indices (and the data order of a run) are what they were when dtf read through Petastorm.
+A Petastorm dataset's Unischema is read from its `_common_metadata` without unpickling anything
+but Petastorm's schema classes (dtf.data.parquet.petastorm_format).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from pyarrow.filesystem import DaskFileSystem
-from pyarrow.filesystem import FileSystem as LegacyFileSystem
-
-from dtf.config.schema import PetastormDataConfig
+from dtf.config.schema import ParquetDataConfig
+from dtf.data.parquet.petastorm_format import UNISCHEMA_KEY, SchemaRefused, Unischema, read_unischema
 from dtf.errors import UserError
 
 # Written by `python -m dtf.data.prepare` into plain Parquet: the per-row shape of array
 # columns, which Parquet's flat list<float> cannot hold (e.g. images 1x28x28).
 SHAPES_KEY = b"dtf.shapes"
-
-
-def quiet_petastorm() -> None:
-    """Petastorm 0.12 runs on pyarrow's legacy dataset API, which warns on every call, and logs at INFO
-    that plain Parquet has no Petastorm metadata: nothing a user can act on."""
-    logging.getLogger("petastorm").setLevel(logging.WARNING)
-    for module in (r"petastorm(\..*)?", r"pyarrow(\..*)?", r"dtf\.data\..*"):
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-    warnings.filterwarnings("ignore", message=r"Column .* has an unsupported field", module=r"petastorm\..*")
+COMMON_METADATA = "_common_metadata"
 
 
 def to_url(path: str) -> str:
-    """Petastorm wants a URL: a plain local path becomes file://<absolute path>."""
+    """A plain local path becomes file://<absolute path>; a URL stays as it is."""
     if "://" in path:
         return path.rstrip("/")
     return "file://" + os.path.abspath(os.path.expanduser(path))
 
 
-def resolve(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """(filesystem, path) of a URL, as Petastorm resolves it, in a form pyarrow 14's legacy
-    ParquetDataset (which Petastorm 0.12 uses) accepts for every scheme."""
-    from petastorm.fs_utils import get_filesystem_and_path_or_paths
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """(pyarrow filesystem, path) of a URL: local files directly, every other scheme (s3://,
+    gs://, hdfs://, memory://, ...) through fsspec with data.storage_options."""
+    import pyarrow.fs as pafs
 
-    fs, path = get_filesystem_and_path_or_paths(url, storage_options=dict(storage_options or {}))
-    if not isinstance(fs, LegacyFileSystem):
-        # An fsspec filesystem (s3://, gs://, memory://, ...): given to ParquetDataset as it is, pyarrow
-        # 14 takes its new Dataset API, which refuses Petastorm's validate_schema argument.
-        fs = LegacyFsspec(fs)
-    return fs, path
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        return pafs.LocalFileSystem(), parsed.path if parsed.scheme else url
+    import fsspec
 
-
-class LegacyFsspec(DaskFileSystem):
-    """pyarrow's legacy wrapper of an fsspec filesystem, with the two queries it leaves unimplemented."""
-
-    def __init__(self, fs: Any) -> None:  # DaskFileSystem's own __init__ only adds a deprecation warning
-        self.fs = fs
-
-    def isdir(self, path: str) -> bool:
-        return bool(self.fs.isdir(path))
-
-    def isfile(self, path: str) -> bool:
-        return bool(self.fs.isfile(path))
+    fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
 def first_line(error: BaseException) -> str:
@@ -76,7 +55,7 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-# Filter operators pyarrow's (legacy) ParquetDataset applies to partition values.
+# Filter operators of pyarrow's DNF filters (pyarrow.parquet.filters_to_expression).
 FILTER_OPS = ("=", "==", "!=", "<", ">", "<=", ">=", "in", "not in")
 
 IMAGE_FIX = "pip install opencv-python-headless"
@@ -84,7 +63,8 @@ IMAGE_FIX = "pip install opencv-python-headless"
 
 @dataclass(frozen=True)
 class ParquetSource:
-    """A Parquet data set as its row groups ("pieces", in Petastorm's order) and its columns."""
+    """A Parquet data set as its row groups ("pieces": files sorted by path, each file's row groups
+    in order) and its columns."""
 
     url: str
     key: str  # the config key that named it, for messages
@@ -92,13 +72,21 @@ class ParquetSource:
     piece_rows: tuple[int, ...]
     column_types: Mapping[str, str]  # every column (partition columns too), with its Arrow type
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # per-row shape of array columns
-    has_unischema: bool = False  # written by Petastorm's materialize_dataset (codecs, shapes)
-    # The fields Petastorm's workers read: the dataset's own Unischema, or one inferred from the
-    # schemas of all its files (Spark ML vectors included, as float arrays).
-    unischema: Any = field(default=None, compare=False, repr=False)
+    # A Petastorm dataset's Unischema (codecs, shapes), as dtf describes it; None for plain Parquet.
+    unischema: Unischema | None = field(default=None, compare=False, repr=False)
     problems: Mapping[str, str] = field(default_factory=dict)  # column -> why it cannot be read
     images: Mapping[str, str] = field(default_factory=dict)  # column -> image format (CompressedImageCodec)
     filters: tuple[tuple[tuple[str, str, Any], ...], ...] | None = None  # DNF on partition columns
+    # Hive partition values of each file (root/split=train/...), the columns its rows get.
+    partition_values: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Each file's Parquet footer, read once here: readers open the files without reading it again.
+    footers: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def has_unischema(self) -> bool:
+        """Written by Petastorm's materialize_dataset (codecs, shapes)."""
+        return self.unischema is not None
 
     @property
     def num_rows(self) -> int:
@@ -152,8 +140,8 @@ def _footers(fs: Any, paths: list[str], key: str, url: str) -> dict[str, Any]:
 
     def read(path: str) -> Any:
         try:
-            with fs.open(path, "rb") as f:
-                return pq.ParquetFile(f).metadata
+            with fs.open_input_file(path) as f:
+                return pq.read_metadata(f)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... depending on the damage
             raise UserError(f"{key}={url}: {path} is not a readable Parquet file ({first_line(e)})") from None
 
@@ -195,19 +183,6 @@ def _kind(kind: Any) -> str:
 _READABLE = {"integer", "float", "bool", "string", "vector", "list<integer>", "list<float>", "list<bool>"}
 
 
-def _numpy_type(kind: Any) -> Any:
-    import numpy as np
-    import pyarrow as pa
-
-    if is_vector(kind):
-        return np.float64
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_dictionary(kind):
-        return _numpy_type(kind.value_type)
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return np.str_
-    return kind.to_pandas_dtype()
-
-
 @dataclass
 class _Columns:
     """The columns of all files with rows, as one schema: per column its widest type, or why not."""
@@ -217,9 +192,9 @@ class _Columns:
 
 
 def _unified_columns(footers: Mapping[str, Any]) -> _Columns:
-    """Petastorm infers the columns from the first file alone, so a 0-row file that sorts first
-    (pandas writes an empty list column as type null) hides columns that are there. Here files
-    without rows are left out and the others must agree on each column's kind (widths may differ)."""
+    """The columns of all files: a 0-row file (pandas writes an empty list column as type null)
+    would hide columns that are there, so files without rows are left out and the others must
+    agree on each column's kind (widths may differ). Petastorm inferred them from the first file."""
     import pyarrow as pa
 
     with_rows = [path for path, meta in footers.items() if meta.num_rows > 0] or list(footers)
@@ -285,11 +260,6 @@ def _dnf(filters: Any, key: str) -> tuple[tuple[tuple[str, str, Any], ...], ...]
     return tuple(out)
 
 
-def _partition_types(dataset: Any) -> dict[str, str]:
-    """Hive partition columns (root/split=train/...) as pyarrow's legacy dataset types them."""
-    return {p.name: "int64" if str(p.dictionary.type) == "int64" else "string" for p in (dataset.partitions or [])}
-
-
 def inspect(
     path: str,
     key: str = "data.path",
@@ -299,32 +269,21 @@ def inspect(
 ) -> ParquetSource:
     """Lists the row groups and columns of the Parquet file or directory at path (a URL or a local
     path), of the partitions that filters keep."""
-    quiet_petastorm()
-    import pyarrow.parquet as pq
-    from petastorm.codecs import CompressedImageCodec
-    from petastorm.etl.dataset_metadata import PetastormMetadataError, get_schema, load_row_groups
-    from petastorm.unischema import Unischema, UnischemaField
-
     url = to_url(path)
     parsed = urlparse(url)
     if parsed.scheme == "file" and not os.path.exists(parsed.path):
         raise UserError(f"{key}={path} does not exist: give the path of a Parquet file or directory")
     dnf = _dnf(filters, filters_key)
     try:
-        fs, fs_path = resolve(url, storage_options)
-        dataset = pq.ParquetDataset(fs_path, filesystem=fs, validate_schema=False, metadata_nthreads=10)
+        fs, root = filesystem(url, storage_options)
+        dataset = list_dataset(fs, root)
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"{key}={url} cannot be opened as a Parquet data set ({first_line(e)})") from None
     partitions = _partition_types(dataset)
-    if dnf is not None:
-        _check_filters(dnf, partitions, filters_key, key, url)
-        try:
-            dataset = open_dataset(fs, fs_path, dnf)
-        except (TypeError, ValueError) as e:
-            raise UserError(
-                f"{filters_key}={_show(filters)} cannot be applied to {key}={url} ({first_line(e)})"
-            ) from None
-    files = sorted({piece.path for piece in dataset.pieces})
+    fragments = _fragments(dataset, dnf, partitions, filters, filters_key, key, url)
+    files = sorted(f.path for f in fragments)
     if not files and dnf is not None:
         raise UserError(
             f"{filters_key}={_show(filters)} leave no rows in {key}={url}: its partitions are "
@@ -332,62 +291,136 @@ def inspect(
         )
     if not files:
         raise UserError(f"{key}={url} holds no Parquet files: write the data there first (python -m dtf.data.prepare)")
-    footers = _footers(dataset.fs, files, key, url)
-    pieces = load_row_groups(dataset)
-    piece_rows = tuple(footers[p.path].row_group(p.row_group).num_rows for p in pieces)
+    import pyarrow.dataset as ds
+
+    partition_values = {f.path: ds.get_partition_keys(f.partition_expression) for f in fragments}
+    footers = _footers(fs, files, key, url)
+    pieces = tuple((path, g) for path in files for g in range(footers[path].num_row_groups))
+    piece_rows = tuple(footers[path].row_group(g).num_rows for path, g in pieces)
     columns = _unified_columns(footers)
     column_types = {name: str(kind) for name, kind in columns.types.items()}
     column_types.update(partitions)
     problems = dict(columns.problems)
     images: dict[str, str] = {}
-    try:
-        unischema, has_unischema = get_schema(dataset), True
-    except PetastormMetadataError:
-        unischema, has_unischema = None, False
-    if has_unischema:
-        shapes = {name: tuple(f.shape) for name, f in unischema.fields.items() if f.shape and None not in f.shape}
+    unischema = _unischema(fs, root, key, url)
+    if unischema is not None:
+        shapes = {name: f.fixed_shape for name, f in unischema.fields.items() if f.fixed_shape}
         images = {
-            name: f.codec.image_codec
+            name: f.codec.image_format or "png"
             for name, f in unischema.fields.items()
-            if isinstance(f.codec, CompressedImageCodec)
+            if f.codec is not None and f.codec.kind == "image"
         }
         for name in column_types:
             if name not in unischema.fields:
                 problems.setdefault(name, f"is not in the Unischema of the Petastorm dataset {key}={url}")
+            elif unischema.fields[name].problem:
+                problems.setdefault(name, str(unischema.fields[name].problem))
     else:
         raw = next((footers[f].metadata[SHAPES_KEY] for f in files if SHAPES_KEY in (footers[f].metadata or {})), None)
         shapes = {name: tuple(shape) for name, shape in json.loads(raw).items()} if raw else {}
-        fields = [UnischemaField(name, _partition_numpy(t), (), None, False) for name, t in partitions.items()]
         for name, kind in columns.types.items():
-            if name in partitions:
-                continue
-            if _kind(kind) not in _READABLE:
+            if name not in partitions and _kind(kind) not in _READABLE:
                 problems.setdefault(
                     name, f"has type {kind}: dtf reads numbers, lists of numbers and Spark ML vectors only"
                 )
-                continue
-            shape = (None,) if _kind(kind).startswith("list") or is_vector(kind) else ()
-            fields.append(UnischemaField(name, _numpy_type(kind), shape, None, True))
-        unischema = Unischema("inferred_schema", fields)
     return ParquetSource(
         url=url,
         key=key,
-        pieces=tuple((p.path, p.row_group) for p in pieces),
+        pieces=pieces,
         piece_rows=piece_rows,
         column_types=column_types,
         shapes=shapes,
-        has_unischema=has_unischema,
         unischema=unischema,
         problems=problems,
         images=images,
         filters=dnf,
+        partition_values=partition_values,
+        storage_options=dict(storage_options or {}),
+        footers=footers,
     )
 
 
-def _partition_numpy(kind: str) -> Any:
-    import numpy as np
+def list_dataset(fs: Any, root: str) -> Any:
+    """The files of a Parquet file or directory, with their Hive partitions, as a pyarrow Dataset
+    made without opening a file (a damaged one is named when its footer is read). Names starting
+    with "." or "_" are not data (Spark's _SUCCESS and .crc files, _common_metadata)."""
+    import pyarrow.dataset as ds
+    import pyarrow.fs as pafs
 
-    return np.int64 if kind == "int64" else np.str_
+    kind = fs.get_file_info(root).type
+    if kind == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{root} does not exist")
+    if kind == pafs.FileType.File:
+        factory = ds.FileSystemDatasetFactory(fs, [root], ds.ParquetFileFormat(), ds.FileSystemFactoryOptions())
+    else:
+        options = ds.FileSystemFactoryOptions(partition_base_dir=root, selector_ignore_prefixes=[".", "_"])
+        options.partitioning_factory = ds.HivePartitioning.discover()
+        selector = pafs.FileSelector(root, recursive=True)
+        factory = ds.FileSystemDatasetFactory(fs, selector, ds.ParquetFileFormat(), options)
+    return factory.finish(schema=factory.inspect(fragments=0))  # the partition columns only
+
+
+def _partition_types(dataset: Any) -> dict[str, str]:
+    """Hive partition columns (root/split=train/...): int64 where every value is an integer, else string."""
+    import pyarrow as pa
+
+    partitioning = dataset.partitioning
+    if partitioning is None:
+        return {}
+    return {f.name: "int64" if pa.types.is_integer(f.type) else "string" for f in partitioning.schema}
+
+
+def _fragments(
+    dataset: Any, dnf: Any, partitions: Mapping[str, str], filters: Any, filters_key: str, key: str, url: str
+) -> list[Any]:
+    """The files the partition filters keep (all without filters)."""
+    if dnf is None:
+        return list(dataset.get_fragments())
+    import pyarrow.parquet as pq
+
+    _check_filters(dnf, partitions, filters_key, key, url)
+    typed = [[(c, op, _as_partition_value(v, partitions[c])) for c, op, v in conj] for conj in dnf]
+    try:
+        return list(dataset.get_fragments(filter=pq.filters_to_expression(typed)))
+    except Exception as e:  # a value of the wrong type for the column, an operator the values do not take
+        raise UserError(f"{filters_key}={_show(filters)} cannot be applied to {key}={url} ({first_line(e)})") from None
+
+
+def _as_partition_value(value: Any, kind: str) -> Any:
+    """A filter value as the partition column holds it: [[bucket, '=', '0']] means bucket 0, as
+    pyarrow's legacy dataset (and so Petastorm) read it."""
+    if isinstance(value, tuple | list):
+        return [_as_partition_value(v, kind) for v in value]
+    if kind == "int64" and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if kind == "string" and not isinstance(value, str):
+        return str(value)
+    return value
+
+
+def _unischema(fs: Any, root: str, key: str, url: str) -> Unischema | None:
+    """The Unischema in root/_common_metadata, if the data set is a Petastorm dataset."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    where = f"{root.rstrip('/')}/{COMMON_METADATA}"
+    if fs.get_file_info(where).type != pafs.FileType.File:
+        return None
+    try:
+        with fs.open_input_file(where) as f:
+            metadata = pq.read_metadata(f).metadata or {}
+    except Exception as e:
+        raise UserError(f"{key}={url}: {where} is not a readable Parquet metadata file ({first_line(e)})") from None
+    if UNISCHEMA_KEY not in metadata:
+        return None  # summary metadata of plain Parquet (pyarrow's write_metadata, Dask)
+    try:
+        return read_unischema(metadata[UNISCHEMA_KEY])
+    except SchemaRefused as e:
+        raise UserError(
+            f"{key}={url}: {where} holds a Petastorm schema dtf does not read ({e}); dtf unpickles only "
+            "Petastorm's own schema classes, so nothing in the file ran: rewrite it with Petastorm's "
+            "materialize_dataset, or delete it to read the files as plain Parquet"
+        ) from None
 
 
 def _show(filters: Any) -> str:
@@ -398,7 +431,7 @@ def _show(filters: Any) -> str:
 
 def _check_filters(dnf: Any, partitions: Mapping[str, str], filters_key: str, key: str, url: str) -> None:
     """Only whole partitions: the equal-batches plan counts rows from row-group metadata, which a
-    filter on row values would make wrong (and pyarrow's legacy reader ignores such filters)."""
+    filter on row values would make wrong."""
     for conjunction in dnf:
         for column, _, _ in conjunction:
             if column not in partitions:
@@ -410,20 +443,7 @@ def _check_filters(dnf: Any, partitions: Mapping[str, str], filters_key: str, ke
                 )
 
 
-def open_dataset(fs: Any, path: str, filters: Any = None) -> Any:
-    """pyarrow's legacy ParquetDataset (what Petastorm 0.12 reads through), with partition filters."""
-    import pyarrow.parquet as pq
-
-    return pq.ParquetDataset(
-        path,
-        filesystem=fs,
-        validate_schema=False,
-        metadata_nthreads=10,
-        filters=[list(c) for c in filters] if filters else None,
-    )
-
-
-def open_sources(data: PetastormDataConfig, world_size: int | None) -> tuple[ParquetSource, ParquetSource | None]:
+def open_sources(data: ParquetDataConfig, world_size: int | None) -> tuple[ParquetSource, ParquetSource | None]:
     """The train and test sources of a `data=petastorm` config, checked against its settings:
     files readable, columns present, a full batch for every rank (when world_size is known).
 
