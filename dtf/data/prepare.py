@@ -1,4 +1,4 @@
-"""Write dtf's built-in data sets to disk, so every recipe can also run on Parquet (`data=petastorm`).
+"""Write dtf's built-in data sets to disk, so every recipe can also run on Parquet (`data=parquet`).
 
     python -m dtf.data.prepare scalar_field digits fake_images --out data [--format both] [--rows-per-group 512]
 
@@ -7,10 +7,10 @@ For each data set, its train and test splits exactly as the in-memory path build
 and `label`:
 
 - parquet:   <out>/<name>/parquet/{train,test}/part-00000.parquet, plain Parquet written by
-             pyarrow (read by make_batch_reader); array columns are list<float> with their
-             per-row shape in the file's metadata.
-- petastorm: <out>/<name>/petastorm/{train,test}, a Petastorm dataset with a Unischema
-             (read by make_reader), written through Spark and materialize_dataset by Petastorm
+             pyarrow; array columns are list<float> with their per-row shape in the file's
+             metadata.
+- petastorm: <out>/<name>/petastorm/{train,test}, a Petastorm dataset with a Unischema (arrays
+             NdarrayCodec-encoded), written through Spark and materialize_dataset by Petastorm
              itself, in the environment of its own that `python -m dtf.sideenv petastorm` makes
              (dtf/data/petastorm_writer.py runs there).
 
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = args.out / name / fmt
             print(
                 f"train on it: python -m dtf {f'+experiment={experiment} ' if experiment else ''}"
-                f"data=petastorm data.path={base / 'train'} data.test_path={base / 'test'}"
+                f"data=parquet data.path={base / 'train'} data.test_path={base / 'test'}"
             )
     return 0
 

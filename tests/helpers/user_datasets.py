@@ -418,3 +418,9 @@ def petastorm_reads(path: Path, *, batch_reader: bool, fields: list[str] | None 
             side.wait()
             _READS[key] = load_columns(out)
     return dict(_READS[key])
+
+
+def pandas_dataset(base: Path) -> Path:
+    """The pandas files under base, written on the first call (per base)."""
+    directory = base / "pandas"
+    return directory if directory.exists() else write_pandas(directory)
