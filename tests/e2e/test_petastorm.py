@@ -1,5 +1,6 @@
-"""`python -m dtf data=petastorm` on skewed Parquet: equal steps on every rank, the promised rows,
-a run that ends on its own, an exact mid-epoch resume, and the in-memory path's loss."""
+"""`python -m dtf data=parquet` (and `data=petastorm`, its former name) on skewed Parquet: equal
+steps on every rank, the promised rows, a run that ends on its own, an exact mid-epoch resume, and
+the in-memory path's loss; data that users' own tools wrote."""
 
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ def test_a_petastorm_hello_world_dataset_with_png_images_trains_on_2_ranks(
             tmp_path / "run",
         )
     )
-    assert "via petastorm make_reader" in run.stdout
+    assert "of a Petastorm dataset (codecs decoded)" in run.stdout
     check_counts(run, stored_rows(hello), 8)
 
 
@@ -262,3 +263,30 @@ def test_pandas_files_of_uneven_sizes_and_widths_with_an_empty_one_train_on_2_ra
     )
     assert stored_rows(pandas_dir) == sum(user_datasets.PANDAS_SIZES)
     check_counts(run, stored_rows(pandas_dir), 8)
+
+
+_NO_MAIN_GUARD = """
+import sys, torch
+from omegaconf import OmegaConf
+from dtf.config.schema import ParquetDataConfig
+from dtf.data.parquet import data as parquet
+from dtf.dist.env import DistEnv
+print("the script's top level ran", flush=True)
+cfg = OmegaConf.structured(ParquetDataConfig(path=sys.argv[1], batch_size=8, reader_pool_type="process"))
+data, _ = parquet.build(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), seed=0)
+data.set_epoch(0)
+print(sum(len(y) for _, y in data), "rows", flush=True)
+"""
+
+
+def test_process_workers_do_not_run_a_script_without_a_main_guard_again(tmp_path: Path, skewed: Path) -> None:
+    # multiprocessing's spawn imports the program's __main__ in every worker: a script like this,
+    # with no `if __name__ == "__main__":`, would run again in each, and start workers of its own.
+    import subprocess
+    import sys
+
+    script = tmp_path / "read.py"
+    script.write_text(_NO_MAIN_GUARD)
+    run = subprocess.run([sys.executable, str(script), str(skewed)], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("the script's top level ran") == 1 and "1016 rows" in run.stdout, run.stdout

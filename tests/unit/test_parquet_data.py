@@ -437,3 +437,22 @@ def test_a_process_that_ends_with_a_reading_open_exits_cleanly(tmp_path: Path) -
     for _ in range(3):  # an abort at exit came in about 3 of 4 runs while readers' threads were left running
         run = subprocess.run([sys.executable, "-c", _LEAVES_A_READING_OPEN, str(path)], capture_output=True, text=True)
         assert run.returncode == 0 and "terminate called" not in run.stderr, run.stderr[-2000:]
+
+
+def test_partition_filters_take_values_as_the_partition_column_holds_them(tmp_path: Path) -> None:
+    # Hive directories as Spark's partitionBy writes them; a filter value '1' (a string, as Hydra's
+    # command line may give it) means bucket 1, as pyarrow's legacy reader (and so Petastorm) took it.
+    for bucket, ids in ((0, [[10, 6]]), (1, [[7]])):
+        write_row_groups(tmp_path / "root" / f"bucket={bucket}", ids, first_id=100 * bucket)
+    root = tmp_path / "root"
+    for filters, expected in (
+        ([["bucket", "=", "1"]], list(range(100, 107))),
+        ([["bucket", "=", 1]], list(range(100, 107))),
+        ([["bucket", "in", ["0"]]], list(range(16))),
+        ([["bucket", "!=", 0]], list(range(100, 107))),
+    ):
+        data, _ = parquet.build(config(root, batch_size=1, filters=filters, shuffle_row_groups=False), env(), seed=0)
+        data.set_epoch(0)
+        assert sorted(int(y) for _, y in data) == expected, filters
+    message = one_line_error(config(root, filters=[["bucket", "<", "x"]]))
+    assert message.startswith("data.filters=[['bucket', '<', 'x']] cannot be applied to data.path="), message

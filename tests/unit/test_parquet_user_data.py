@@ -124,6 +124,11 @@ def test_files_whose_columns_disagree_in_kind_are_refused_naming_the_file(pandas
     assert message.startswith("data.feature_columns: column 'count' is int32 in") and "string in" in message
     # Widths alone may differ (the pandas files do): columns untouched by the run are not checked.
     parquet.build(in_order(mixed, feature_columns=["ratio"], label_column="id"), env(), seed=0)
+    # A column that one file lacks: named with both files, before anything is read.
+    frame.drop(columns=["ratio"]).to_parquet(mixed / "part-3.parquet")
+    message = one_line_error(in_order(mixed, feature_columns=["ratio"], label_column="id"))
+    assert message.startswith("data.feature_columns: column 'ratio' is in ") and "part-1.parquet" in message
+    assert f"but not in {mixed / 'part-3.parquet'}: every file with rows needs it" in message
 
 
 def one_line_error(cfg: PetastormDataConfig, world: int = 1) -> str:

@@ -281,8 +281,8 @@ def decode(field: PetastormField, column: Any) -> np.ndarray:
         if fast is not None:
             return fast
     if codec.kind == "image":
-        return _stack([_decode_image(field, v) for v in _binary_values(arr)])
-    return _stack([_decode_one(field, v) for v in _binary_values(arr)])
+        return _images(field, _binary_views(arr))
+    return _stack([_decode_one(field, v) for v in _binary_views(arr)])
 
 
 def _scalars(field: PetastormField, arr: Any) -> np.ndarray:
@@ -315,25 +315,54 @@ def _decode_one(field: PetastormField, value: Any) -> Any:
     if codec.kind == "compressed_ndarray":
         return np.load(io.BytesIO(value))["arr"]
     if codec.kind == "image":
-        return _decode_image(field, value)
+        return _bgr_to_rgb(_decode_one_image(field, np.frombuffer(value, dtype=np.uint8)))
     raise ValueError(f"codec {codec.kind} is not one dtf decodes")
 
 
-def _binary_values(arr: Any) -> list[bytes]:
-    return list(arr.to_pylist())
+def _binary_views(arr: Any) -> list[np.ndarray]:
+    """A binary column's values as uint8 views of its buffer (no copy per value, as to_pylist makes)."""
+    import pyarrow as pa
+
+    large = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64 if large else np.int32)[arr.offset :][: len(arr) + 1]
+    data = np.frombuffer(arr.buffers()[2], dtype=np.uint8) if len(arr) else np.empty(0, np.uint8)
+    return [data[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
 
 
-def _decode_image(field: PetastormField, value: bytes) -> np.ndarray:
+def _decode_one_image(field: PetastormField, value: np.ndarray) -> np.ndarray:
     import cv2
 
-    image = cv2.imdecode(np.frombuffer(value, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
+    image = cv2.imdecode(value, cv2.IMREAD_UNCHANGED)
     if image is None:
         raise ValueError(f"OpenCV cannot decode this {field.codec.image_format if field.codec else ''} image")
-    if image.ndim == 2:
+    if image.ndim == 2 or (image.ndim == 3 and image.shape[2] == 3):
         return image
-    if image.ndim == 3 and image.shape[2] == 3:
-        return image[:, :, (2, 1, 0)]  # OpenCV decodes BGR; Petastorm yields RGB
     raise ValueError(f"an image of shape {image.shape}: Petastorm's codec takes (H, W) or (H, W, 3)")
+
+
+def _images(field: PetastormField, values: list[np.ndarray]) -> np.ndarray:
+    """CompressedImageCodec's values: OpenCV decodes BGR, Petastorm yields RGB (a channel swap that
+    OpenCV writes straight into the batch). Images of different shapes: an object array."""
+    import cv2
+
+    decoded = [_decode_one_image(field, v) for v in values[:1]]
+    if not decoded:
+        return np.empty(0, np.uint8)
+    first = decoded[0]
+    out = np.empty((len(values), *first.shape), dtype=first.dtype)
+    for i, value in enumerate(values):
+        image = first if i == 0 else _decode_one_image(field, value)
+        if image.shape != first.shape or image.dtype != first.dtype:  # ragged: decode each on its own
+            return _stack([_bgr_to_rgb(_decode_one_image(field, v)) for v in values])
+        if image.ndim == 3:
+            cv2.cvtColor(image, cv2.COLOR_BGR2RGB, dst=out[i])
+        else:
+            out[i] = image
+    return out
+
+
+def _bgr_to_rgb(image: np.ndarray) -> np.ndarray:
+    return image[:, :, (2, 1, 0)] if image.ndim == 3 else image
 
 
 def _stack(values: list[Any]) -> np.ndarray:

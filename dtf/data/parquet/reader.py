@@ -12,7 +12,9 @@ number of partitions a step takes its rows from.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -143,6 +145,25 @@ def _make_pool(opts: ReaderOptions, reader: RowGroupReader) -> Executor | None:
     return None  # dummy: read in the consumer, when a row group is needed
 
 
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """While process workers start: spawn would import the program's __main__ in each of them (a
+    script without a main guard would run again, and start workers of its own). They need dtf's
+    reader alone, which they import to unpickle it."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def _stop_pool(pool: Executor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -229,11 +250,12 @@ class StepReading:
         limit = min(len(self.order), max(upto + 1, self.received + ahead))
         pool = self.pool
         assert pool is not None
-        while self.next_submit < limit:
-            piece = self.order[self.next_submit]
-            task = _read_in_process if self.opts.pool_type == "process" else self.reader
-            self.futures[piece] = pool.submit(task, piece)
-            self.next_submit += 1
+        processes = self.opts.pool_type == "process"
+        with _main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
+            while self.next_submit < limit:
+                piece = self.order[self.next_submit]
+                self.futures[piece] = pool.submit(_read_in_process if processes else self.reader, piece)
+                self.next_submit += 1
 
     def _receive(self, piece: int) -> Columns:
         if piece in self.arrived:
