@@ -226,8 +226,15 @@ def codecs_columns() -> dict[str, Any]:
         values[:3] = -0.0, np.inf, -np.inf
     h, w = CODECS_IMAGE
     yy, xx = np.mgrid[0:h, 0:w]
-    smooth = [
-        np.stack([(xx * 255 // (w - 1) + 9 * i) % 256, (yy * 255 // (h - 1)) % 256, (xx + yy + 5 * i) % 256], -1)
+    smooth = [  # half a period across the image, a phase per row: what JPEG keeps well
+        np.stack(
+            [
+                128 + 60 * np.sin(2 * np.pi * (xx / (2 * w) + i / n)),
+                128 + 60 * np.cos(2 * np.pi * (yy / (2 * h) + i / n)),
+                128 + 40 * np.sin(2 * np.pi * ((xx + yy) / (2 * (w + h)) + 2 * i / n)),
+            ],
+            -1,
+        ).round()
         for i in range(n)
     ]
     return {
