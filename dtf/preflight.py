@@ -50,7 +50,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check_gpus(run)
     _check_resume(run.checkpoint)
     if isinstance(run.data, ParquetDataConfig):
-        from dtf.data.parquet.source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
+        from dtf.data.parquet.source import open_sources  # pyarrow: only for runs that read Parquet
 
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
