@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dtf.errors import UserError, config_error_line
+from dtf.config.keys import config_error_line
+from dtf.errors import UserError
 from dtf.files import make_dir
 from dtf.results import Finished, Stopped, Submitted
 

@@ -24,6 +24,7 @@ from hydra._internal.utils import _locate
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dtf.config.keys import SECTIONS, unknown_top_level_line
 from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
@@ -42,6 +43,9 @@ _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Refuse a bad config in one line, before any process starts; returns it typed."""
+    for key in map(str, cfg):
+        if key not in SECTIONS:
+            raise UserError(unknown_top_level_line(key))
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
