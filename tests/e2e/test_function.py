@@ -74,19 +74,7 @@ def check_two_ranks(run) -> dict:  # type: ignore[no-untyped-def]
     return s
 
 
-def test_on_two_ranks_ddp_and_zero_stage_1_train_the_same_parameters(dtf) -> None:  # type: ignore[no-untyped-def]
-    # ZeRO-1 with the function's own optimizer: each rank steps only the parameters it owns, with
-    # DDP's averaged gradients, and broadcasts them: every parameter moves as under DDP, bit for bit.
-    ddp = check_two_ranks(dtf(*FUNCTION, "strategy=ddp", *SMALL))
-    zero = check_two_ranks(dtf(*FUNCTION, "strategy=zero", *SMALL))
-    assert zero["strategy_settings"]["stage"] == 1 and zero["params_sha256"] == ddp["params_sha256"]
-    # ... while each rank holds Adam's state for its own parameters only: together, one DDP rank's
-    full = ddp["optimizer_state_bytes"]
-    assert full[0] == full[1] and sum(zero["optimizer_state_bytes"]) == full[0]
-    # (by whole parameters, as torch's ZeroRedundancyOptimizer: here one 100x100 weight is most of it)
-    assert min(zero["optimizer_state_bytes"]) > 0 and max(zero["optimizer_state_bytes"]) < full[0]
-
-
+# strategy=ddp and strategy=zero (stage 1) against each other: tests/dist/test_function_ranks.py
 @pytest.mark.parametrize("strategy", [["strategy=zero", "strategy.stage=2"], ["strategy=fsdp"]])
 def test_on_two_ranks_it_trains_under_the_sharded_strategies_and_the_ranks_agree(dtf, strategy: list[str]) -> None:  # type: ignore[no-untyped-def]
     check_two_ranks(dtf(*FUNCTION, *strategy, *SMALL))
