@@ -357,7 +357,16 @@ def run_torchrun(run: RunConfig, run_dir: Path, payload: Payload) -> Finished | 
         run_dir=str(run_dir),
     )
     summary.write(run_dir)
+    print(
+        f"dtf: {summary.world_size} rank(s) ran {_name(payload.fn, run, payload)}; rank 0 returned "
+        f"{_shortened(repr(returned))}; summary {run_dir / run_summary.SUMMARY_FILE}",
+        flush=True,
+    )
     return Finished({**summary.as_dict(), "returned": returned})
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _torchrun_objective(run: RunConfig, returned: Any) -> float | None:

@@ -113,3 +113,42 @@ def test_what_function_mode_cannot_do_is_one_line(dtf, args: list[str], start: s
     assert run.returncode == 2
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(start), run.stderr
+
+
+def test_a_torchrun_style_function_and_a_horovodrunner_return_rank_0s_value(tmp_path: Path) -> None:
+    # TorchDistributor's contract: the function makes its own process group from the environment;
+    # HorovodRunner's: hvd.init() in the function, `import horovod.torch` given by install()
+    body = """
+import json, torch, torch.distributed as dist, dtf
+from dtf.horovod import HorovodRunner, install
+
+def plain(scale):
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item() * scale}
+    dist.destroy_process_group()
+    return out
+
+def with_horovod(offset):
+    import horovod.torch as hvd
+    hvd.init()
+    return {"rank": hvd.rank(), "mean": hvd.allreduce(torch.tensor([float(hvd.rank())])).item() + offset}
+
+if __name__ == "__main__":
+    a = dtf.run_function(plain, 10, mode="torchrun", overrides=["launcher.nproc=2"], run_dir="plain")
+    install()
+    b = HorovodRunner(np=-2, run_dir="hvd").run(with_horovod, offset=1.0)
+    print(json.dumps([a, b]))
+"""
+    (tmp_path / "script.py").write_text(body)
+    done = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=dtf_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain, horovod = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plain == {"rank": 0, "world": 2, "sum": 30.0} and horovod == {"rank": 0, "mean": 1.5}
+    for run_dir, returned in (("plain", plain), ("hvd", horovod)):
+        summary = json.loads((tmp_path / run_dir / "summary.json").read_text())
+        assert summary["mode"] == "torchrun" and summary["world_size"] == 2 and summary["result"] == returned
+    assert "rank 0 returned {'rank': 0, 'mean': 1.5}" in done.stdout
