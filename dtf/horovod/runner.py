@@ -41,10 +41,10 @@ class HorovodRunner:
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
         """main(**kwargs) on every rank; returns rank 0's return value."""
-        import dtf
+        from dtf.api import run_function
         from dtf.horovod import installed
 
-        return dtf.run_function(
+        return run_function(
             _Rank(main, installed()),
             mode="torchrun",
             kwargs=kwargs,
