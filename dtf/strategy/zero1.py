@@ -219,7 +219,7 @@ class ShardedOptimizer(Optimizer):
     load_sharded_state_dict() (Optimizer.state_dict would hold none of it).
 
     layout: the parameters' layout when it was made already (a function's model, laid out before
-    its optimizer exists, dtf.train.function); default: laid out here, in the groups' order."""
+    its optimizer exists, dtf.train.function_model); default: laid out here, in the groups' order."""
 
     def __init__(
         self,

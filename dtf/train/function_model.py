@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dtf import strategy as strategies
 from dtf.dist.env import DistEnv
+from dtf.errors import UserError
 from dtf.strategy.base import local_state_bytes, materialise_whole, no_optimizer, parameter_and_grad_bytes
 from dtf.strategy.ddp import DDPStrategy
 from dtf.strategy.zero1 import FlatLayout, ShardedOptimizer, Zero1Strategy, check_element_wise
@@ -61,6 +62,11 @@ class ShardedSteps:
                 self._internal.update({id(sharded), id(sharded.local)})
                 self.sharded[id(optimizer)] = sharded
                 return sharded
+        if any(p in names for p in params for _, names in self.layouts):
+            raise UserError(
+                "strategy=zero (stage 1): your function's optimizer holds parameters of several models that module() "
+                "built (or tensors that are not parameters): build one optimizer per model"
+            )
         return None  # an optimizer over something else
 
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
