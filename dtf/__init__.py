@@ -13,12 +13,14 @@ _API = {
     "RunStopped": "dtf.api",
     "UserError": "dtf.errors",
 }
-__all__ = ["RunStopped", "UserError", "__version__", "run", "run_function", "sweep", "validate"]
+__all__ = ["RunStopped", "UserError", "__version__", "report", "run", "run_function", "sweep", "validate"]
 
 
 def __getattr__(name: str) -> object:
-    if name in _API:
-        import importlib
+    import importlib
 
+    if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
+    if name == "report":  # dtf.report(name, total, count): the module dtf.report is callable (its end says why)
+        return importlib.import_module("dtf.report")
     raise AttributeError(f"module 'dtf' has no attribute {name!r}")

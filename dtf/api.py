@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dtf.errors import UserError, config_error_line
+from dtf.config.keys import config_error_line
+from dtf.errors import UserError
 from dtf.files import make_dir
 from dtf.results import Finished, Stopped, Submitted
 
@@ -81,7 +82,9 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 def run_function(
     fn: Callable[..., Any],
-    *,
+    *args: Any,
+    mode: str = "function",
+    kwargs: dict[str, Any] | None = None,
     module: Callable[..., Any] | None = None,
     train_set: Any = None,
     test_set: Any = None,
@@ -89,32 +92,65 @@ def run_function(
     overrides: list[str] | None = None,
     config_dir: str | None = None,
     run_dir: str | None = None,
-) -> dict[str, Any]:
-    """Your own training function, made distributed (Maggy's lagom, HorovodRunner's run): on every
-    rank, fn(module, hparams, train_set, test_set) -> float | dict, with the strategy, launcher and
-    run directory of `overrides` (dtf.train.function says what each argument is there).
+) -> Any:
+    """Your own training function, made distributed, with the strategy, launcher and run directory
+    of `overrides`. Two modes (dtf.train.function says what each gets on a rank):
 
+    mode="function" (Maggy's lagom, HorovodRunner's run without Horovod): on every rank
+    fn(module, hparams, train_set, test_set) -> float | dict, with no distributed code in it.
     module: the model's class (or any callable returning an nn.Module); default: the config's
     `model`. train_set, test_set: datasets (shipped to the ranks by pickle); default: the config's
-    `data.dataset`. hparams: passed to fn (over trainer.hparams). fn, module and the datasets may
-    be defined in a notebook or a script: they travel to the ranks as code (cloudpickle).
-    Returns rank 0's summary: `result` is what fn returned, averaged over the ranks exactly."""
+    `data.dataset`. hparams: passed to fn (over trainer.hparams). Returns rank 0's summary:
+    `result` is what fn returned, averaged over the ranks exactly.
+
+    mode="torchrun" (TorchDistributor's contract): on every rank fn(*args, **kwargs), with
+    MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set and no process group: fn makes
+    its own (init_process_group, or hvd.init() of dtf.horovod). Returns rank 0's return value.
+
+    fn, module, the datasets and the arguments may be defined in a notebook or a script: they
+    travel to the ranks as code (cloudpickle)."""
     from dtf.cli import freeze, launch_frozen, stop_line
     from dtf.rank import rank_main
-    from dtf.train.function import Payload, dump
+    from dtf.train.function import FUNCTION, TORCHRUN, Payload, dump
 
-    if test_set is not None and train_set is None:
-        raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
-    given = list(overrides or [])
-    cfg, default_dir, _ = _compose([*given, "trainer.fn=null"], config_dir, "run")
+    if mode == FUNCTION:
+        if args or kwargs:
+            raise UserError(
+                'run_function: args and kwargs go to a function of mode="torchrun"; in mode="function" the '
+                "function is called as fn(module, hparams, train_set, test_set): pass hparams="
+            )
+        if test_set is not None and train_set is None:
+            raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
+    elif mode == TORCHRUN:
+        given = [
+            k for k, v in dict(module=module, train_set=train_set, test_set=test_set, hparams=hparams).items() if v
+        ]
+        if given:
+            raise UserError(
+                f'run_function: {", ".join(given)} are for mode="function"; a function of mode="torchrun" gets '
+                "its arguments as run_function(fn, *args, kwargs={...})"
+            )
+    else:
+        raise UserError(f'run_function: mode={mode!r} is not a mode: use mode="function" or mode="torchrun"')
+    cfg, default_dir = _function_config(list(overrides or []), config_dir)
     frozen = freeze(cfg)
-    payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
+    payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {}), mode, args, dict(kwargs or {})))
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
-    _write_hydra_files(cfg, given, directory)
+    _write_hydra_files(cfg, list(overrides or []), directory)
     # a name for the launchers' logs (a partial has none)
     rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
     result = launch_frozen(frozen, str(directory), rank_fn)
-    return _summary(result, str(directory), stop_line)
+    summary = _summary(result, str(directory), stop_line)
+    return summary.get("returned") if mode == TORCHRUN else summary
+
+
+def _function_config(overrides: list[str], config_dir: str | None) -> tuple[DictConfig, str]:
+    """The config of a dtf.run_function run: trainer.fn names the placeholder of a shipped function
+    (its objective is then any key the function returns, dtf.preflight)."""
+    from dtf.train.function import SHIPPED
+
+    cfg, default_dir, _ = _compose([*overrides, f"trainer.fn={{_target_:{SHIPPED},_partial_:true}}"], config_dir, "run")
+    return cfg, default_dir
 
 
 def sweep(

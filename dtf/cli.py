@@ -21,8 +21,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dtf import hydra_sweep, launch
+from dtf.config.keys import config_error_line
 from dtf.config.typed import RunConfig
-from dtf.errors import Interrupted, RankFailedError, UserError, config_error_line
+from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.files import make_dir
 from dtf.launch.base import WorkerFn
 from dtf.preflight import check_canonical_partitions, validate

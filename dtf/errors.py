@@ -15,12 +15,6 @@ class RankFailedError(UserError):
     """One or more ranks of a distributed run failed; the message names them."""
 
 
-def config_error_line(e: BaseException) -> str:
-    """Hydra's message for a config it cannot compose (an unknown option, a key not in the
-    config, a bad grammar) on one line, without the config search path it lists after it."""
-    return " ".join(str(e).split("Config search path:")[0].split())
-
-
 def user_error_in(e: BaseException) -> UserError | None:
     """The UserError behind e, if any: Hydra's instantiate wraps what a _target_ raises."""
     seen: BaseException | None = e

@@ -24,6 +24,7 @@ from hydra._internal.utils import _locate
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dtf.config.keys import SECTIONS, unknown_top_level_line
 from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
@@ -42,6 +43,9 @@ _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Refuse a bad config in one line, before any process starts; returns it typed."""
+    for key in map(str, cfg):
+        if key not in SECTIONS:
+            raise UserError(unknown_top_level_line(key))
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
@@ -50,7 +54,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check_gpus(run)
     _check_resume(run.checkpoint)
     if isinstance(run.data, ParquetDataConfig):
-        from dtf.data.parquet.source import open_sources  # pyarrow and petastorm: only for runs that read Parquet
+        from dtf.data.parquet.source import open_sources  # pyarrow: only for runs that read Parquet
 
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
@@ -231,6 +235,8 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
                 f"{key}.num_classes is not set (the model has no num_classes): set {key}.num_classes=<classes>"
             )
         _check_metric_fits_loss(key, cls, loss)
+    if cfg.trainer.get("fn") is not None:
+        return  # trainer=function: the objective names a value the function returns (checked when it has)
     split, _, value = t.objective.partition("/")
     if value != "loss" and value not in metrics:
         names = ", ".join(f"{split}/{n}" for n in ["loss", *map(str, metrics)])

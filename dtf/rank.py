@@ -73,6 +73,14 @@ def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Run
 
     run = typed(cfg)
     stop_request = prepare_process(run)
+    shipped = None
+    if payload is not None:  # dtf.run_function's
+        from dtf.train import function
+
+        shipped = function.load(payload)
+        if shipped is not None and shipped.mode == function.TORCHRUN:  # the function makes its own group
+            stop_request.restore()
+            return function.run_torchrun(run, Path(run_dir), shipped)
     t = run.trainer
     env = dist_env.init(t.device, t.dist_backend, t.dist_timeout_s)
     across_nodes = env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
@@ -84,11 +92,11 @@ def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Run
         from dtf.launch.nodes import record_nodes
 
         record_nodes(directory, env)
-    if payload is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function
+    if shipped is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function
         from dtf.train import function
 
         stop_request.restore()  # the function owns its loop: no step to stop at, signals act as usual
-        result: RunResult | None = function.run(run, env, directory, function.load(payload))
+        result: RunResult | None = function.run(run, env, directory, shipped)
     else:
         from dtf.train import loop
 

@@ -15,6 +15,7 @@ import os
 import re
 import statistics
 import sys
+import types
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,6 +596,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dtf: sweep report: {report}", flush=True)
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`dtf.report` is this module (a sweep's report) and, called, a training function's exact
+    value: dtf.report(name, total, count) (dtf.train.function.report). A package attribute
+    cannot be a function of that name: importing the submodule would replace it."""
+
+    def __call__(self, name: str, total: float, count: float) -> None:
+        from dtf.train.function import report
+
+        report(name, total, count)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

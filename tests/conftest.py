@@ -84,7 +84,13 @@ def short_local_run(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
 
 # Files whose tests start and stop the one local SLURM cluster, Spark cluster or namespace hosts
 # the machine can hold at a time: under pytest-xdist they run in one worker, one after the other.
-CLUSTER_FILES = {"test_slurm.py", "test_spark.py", "test_multinode.py", "test_hydra_optuna.py"}
+CLUSTER_FILES = {
+    "test_slurm.py",
+    "test_spark.py",
+    "test_multinode.py",
+    "test_hydra_optuna.py",
+    "test_horovod_launchers.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

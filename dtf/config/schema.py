@@ -262,8 +262,13 @@ class BaseDataConfig:
     kind: str = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32
-    # Defaults to batch_size.
+    # Defaults to batch_size (validation and test).
     eval_batch_size: int | None = None
+    # A validation split carved out of the training data: this fraction of it, drawn with val_seed
+    # (the same rows on any world size, and whatever trainer.seed is). 0: none, unless the data
+    # gives one of its own.
+    val_fraction: float = 0.0
+    val_seed: int = 0
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "use a per-rank batch size of 1 or more")
@@ -273,6 +278,12 @@ class BaseDataConfig:
             self.eval_batch_size,
             "use 1 or more, or null for data.batch_size",
         )
+        require(
+            0.0 <= self.val_fraction < 1.0,
+            "data.val_fraction",
+            self.val_fraction,
+            "use a fraction of the training data in [0, 1), e.g. data.val_fraction=0.1, or 0 for none",
+        )
 
 
 @dataclass
@@ -280,7 +291,8 @@ class LoaderDataConfig(BaseDataConfig):
     """A map-style dataset through torch's DataLoader and DistributedSampler."""
 
     kind: str = "loader"
-    # _target_ of a callable returning a Dataset (train only) or a (train, test) pair.
+    # _target_ of a callable returning a Dataset (train only), a (train, test) pair, a (train, val,
+    # test) triple, or a mapping with the keys train, and val and/or test.
     dataset: Any = MISSING
     shuffle: bool = True
     drop_last: bool = False
@@ -328,10 +340,14 @@ class ParquetDataConfig(BaseDataConfig):
     # Test data, evaluated with every row counted exactly once (null: no evaluation, unless
     # test_filters is set: then the test data are data.path's partitions that test_filters keep).
     test_path: str | None = None
+    # Validation data, evaluated as the test data are (null: none, unless val_filters is set: then
+    # data.path's partitions that val_filters keep; or data.val_fraction of data.path's rows).
+    val_path: str | None = None
     # Hive partitions to read ([[split, '=', train]]; a list of such lists: any of them), pyarrow's
     # DNF on partition columns only (whole files, so the equal-batches plan stays exact).
     filters: Any = None
     test_filters: Any = None
+    val_filters: Any = None
     # The model input: one column as stored (with its shape), or several flattened and concatenated.
     feature_columns: list[str] = field(default_factory=lambda: ["features"])
     label_column: str = "label"
@@ -370,6 +386,11 @@ class ParquetDataConfig(BaseDataConfig):
             self.feature_dtype,
             f"use {', '.join(FEATURE_DTYPES)}",
         )
+        if self.val_fraction and (self.val_path or self.val_filters):
+            raise UserError(
+                f"data.val_fraction={self.val_fraction} and data.val_path/data.val_filters both name a validation "
+                "split: keep one (data.val_fraction=0, or data.val_path=null data.val_filters=null)"
+            )
         require(self.workers_count >= 1, "data.workers_count", self.workers_count, "use 1 or more reader workers")
         require(self.results_queue_size >= 1, "data.results_queue_size", self.results_queue_size, "use 1 or more")
         c = self.canonical_partitions

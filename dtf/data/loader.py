@@ -1,94 +1,25 @@
 """The data of a run: the interface the trainer uses, and map-style datasets through torch's
-DataLoader, sharded across ranks. `data=petastorm` (Parquet) is
-built by dtf.data.parquet behind the same interface."""
+DataLoader, sharded across ranks (training, validation and test splits). `data=parquet` is built
+by dtf.data.parquet behind the same interface."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from dtf import signals
 from dtf.config.schema import LoaderDataConfig, ParquetDataConfig
 from dtf.config.typed import DataConfig
 from dtf.data.fetch import fetching
+from dtf.data.interface import DataSplits, EvalData, TrainData
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-
-
-class TrainData(Protocol):
-    """What the trainer needs of the training data, whatever reads it."""
-
-    batch_size: int
-    position_survives_world_size_change: bool
-
-    def __len__(self) -> int:
-        """Batches per epoch, identical on every rank."""
-        ...
-
-    def __iter__(self) -> Iterator[Any]:
-        """This rank's batches of the current epoch, from its start batch on."""
-        ...
-
-    def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
-        """Position: a pure function of (seed, epoch, start_batch, rank, world size), so resuming is exact.
-        read_ahead: the next epoch follows this one (from its first batch), so its data may be read
-        ahead during this one."""
-        ...
-
-    def close(self) -> None:
-        """The run reads no more batches: stop what reads ahead."""
-        ...
-
-    @property
-    def num_partitions(self) -> int | None:
-        """The canonical partitions every epoch is cut into (Parquet: the same steps on any world
-        size that divides it); None for data read in per-rank shares."""
-        ...
-
-    def seek(self, epoch: int, samples_in_epoch: int) -> int:
-        """The batch a resumed run starts epoch `epoch` at, samples_in_epoch (over all ranks) of it
-        used: the first batch whose samples were not all used, or (data that can) the batch that
-        continues from the very sample reached."""
-        ...
-
-    def samples_after(self, num_batches: int) -> int:
-        """Samples of an epoch used by its first num_batches batches, over all ranks."""
-        ...
-
-    @property
-    def num_samples(self) -> int:
-        """Samples (rows) in the training set."""
-        ...
-
-    @property
-    def num_dropped_per_epoch(self) -> int:
-        """Samples of the data set left out of an epoch, over all ranks."""
-        ...
-
-    @property
-    def num_repeated_per_epoch(self) -> int:
-        """Samples used twice in an epoch (padding), over all ranks."""
-        ...
-
-    def describe(self) -> str: ...
-
-
-class EvalData(Protocol):
-    """What the trainer needs of the test data: equal batch counts, padding marked per batch."""
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-    def num_real_in_batch(self, batch_index: int) -> int:
-        """Samples of batch batch_index that are real (a prefix); the rest is padding."""
-        ...
 
 
 @dataclass
@@ -182,28 +113,100 @@ def ignore_stop_signals(worker_id: int) -> None:
     signals.ignore_stop_signals()
 
 
+@dataclass(frozen=True)
+class Datasets:
+    """The map-style datasets of data.dataset, by split."""
+
+    train: Dataset
+    val: Dataset | None
+    test: Dataset | None
+
+
 def split_datasets(dataset_cfg: Any) -> tuple[Dataset, Dataset | None]:
+    """(train, test) of data.dataset (a builder that gives a validation split is refused here:
+    the callers of this one have no use for it)."""
+    built = datasets_built(dataset_cfg)
+    if built.val is not None:
+        raise UserError("data.dataset gives a validation split, which this command does not use: give (train, test)")
+    return built.train, built.test
+
+
+SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
+
+
+def datasets_built(dataset_cfg: Any) -> Datasets:
+    """What data.dataset builds: a Dataset (train only), (train, test), (train, val, test), or a
+    mapping of train and val and/or test."""
     built = instantiate(dataset_cfg)
-    if isinstance(built, tuple | list):
-        if len(built) != 2:
+    if isinstance(built, Mapping):
+        unknown = [k for k in built if k not in SPLIT_NAMES]
+        if unknown or "train" not in built:
             raise UserError(
-                "data.dataset must build a Dataset or a (train, test) pair; got a sequence of "
-                f"{len(built)}: return exactly two datasets"
+                f"data.dataset built a mapping with the keys {sorted(built)}: give train, and val (or validation) "
+                "and/or test"
             )
-        return built[0], built[1]
-    return built, None
+        splits = {SPLIT_NAMES[k]: v for k, v in built.items()}
+        return Datasets(splits["train"], splits.get("val"), splits.get("test"))
+    if isinstance(built, tuple | list):
+        if len(built) == 2:
+            return Datasets(built[0], None, built[1])
+        if len(built) == 3:
+            return Datasets(built[0], built[1], built[2])
+        raise UserError(
+            "data.dataset must build a Dataset, a (train, test) pair or a (train, val, test) triple; got a "
+            f"sequence of {len(built)}"
+        )
+    return Datasets(built, None, None)
+
+
+def datasets_of(cfg: LoaderDataConfig) -> Datasets:
+    """data.dataset's splits, with data.val_fraction of the training set held out for validation."""
+    built = datasets_built(cfg.dataset)
+    if not cfg.val_fraction:
+        return built
+    if built.val is not None:
+        raise UserError(
+            f"data.val_fraction={cfg.val_fraction}: data.dataset gives a validation split of its own; "
+            "use it (data.val_fraction=0) or build none"
+        )
+    train, val = hold_out(built.train, cfg.val_fraction, cfg.val_seed)
+    return Datasets(train, val, built.test)
+
+
+def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(the rest, the held-out fraction) of dataset: round(fraction x n) samples drawn with seed,
+    both kept in the dataset's own order. A pure function of (n, fraction, seed): the same split on
+    any world size."""
+    n = len(dataset)  # type: ignore[arg-type]
+    k = round(fraction * n)
+    if not 0 < k < n:
+        raise UserError(
+            f"data.val_fraction={fraction} of {n} training samples holds out {k}: leave at least one sample "
+            "on each side (a larger or smaller fraction)"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held, rest = order[:k].sort().values.tolist(), order[k:].sort().values.tolist()
+    return Subset(dataset, rest), Subset(dataset, held)
+
+
+def build_splits(cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None) -> DataSplits:
+    """recorded_partitions: the canonical partitions of the checkpoint a resumed run starts from (Parquet)."""
+    if isinstance(cfg, ParquetDataConfig):
+        from dtf.data.parquet import data as parquet  # pyarrow: only for runs that read Parquet
+
+        return parquet.build_splits(cfg, env, seed, recorded_partitions)
+    built = datasets_of(cfg)
+    train, test = from_datasets(built.train, built.test, cfg, env, seed)
+    val = eval_data(built.val, cfg, env, seed) if built.val is not None else None
+    return DataSplits(train, val, test)
 
 
 def build(
     cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
 ) -> tuple[TrainData, EvalData | None]:
-    """recorded_partitions: the canonical partitions of the checkpoint a resumed run starts from (Parquet)."""
-    if isinstance(cfg, ParquetDataConfig):
-        from dtf.data.parquet import data as parquet  # petastorm and pyarrow: only for runs that read Parquet
-
-        return parquet.build(cfg, env, seed, recorded_partitions)
-    train_set, test_set = split_datasets(cfg.dataset)
-    return from_datasets(train_set, test_set, cfg, env, seed)
+    """(training batches, test batches): build_splits without the validation split."""
+    splits = build_splits(cfg, env, seed, recorded_partitions)
+    return splits.train, splits.test
 
 
 def from_datasets(
@@ -215,12 +218,7 @@ def from_datasets(
             f"data.dataset has {len(train_set)} training samples for {env.world_size} ranks: "  # type: ignore[arg-type]
             "give it at least one sample per rank"
         )
-    common: dict[str, Any] = dict(
-        num_workers=cfg.num_workers,
-        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
-        pin_memory=cfg.pin_memory and env.device.type == "cuda",
-        persistent_workers=cfg.num_workers > 0,
-    )
+    common = _loader_options(cfg, env)
     sampler = ResumableDistributedSampler(
         train_set, num_replicas=env.world_size, rank=env.rank, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last
     )
@@ -242,20 +240,32 @@ def from_datasets(
             f"({len(sampler)} samples each): lower data.batch_size or set data.drop_last=false"
         )
     train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader), by_batch)
-    if test_set is None:
-        return train, None
+    return train, eval_data(test_set, cfg, env, seed) if test_set is not None else None
+
+
+def eval_data(dataset: Dataset, cfg: LoaderDataConfig, env: DistEnv, seed: int) -> LoaderEvalData:
+    """Evaluation batches of a dataset (validation or test): every sample on exactly one rank."""
     eval_bs = cfg.eval_batch_size or cfg.batch_size
-    eval_sampler = EvalShardSampler(len(test_set), env.rank, env.world_size)  # type: ignore[arg-type]
-    test_source, test_collate, _ = fetching(test_set, cfg.fetch)
-    test_loader = DataLoader(
-        test_source,
-        collate_fn=test_collate,
+    sampler = EvalShardSampler(len(dataset), env.rank, env.world_size)  # type: ignore[arg-type]
+    source, collate, _ = fetching(dataset, cfg.fetch)
+    loader = DataLoader(
+        source,
+        collate_fn=collate,
         batch_size=eval_bs,
-        sampler=eval_sampler,
+        sampler=sampler,
         generator=torch.Generator().manual_seed(seed),
-        **common,
+        **_loader_options(cfg, env),
     )
-    return train, LoaderEvalData(test_loader, eval_sampler, eval_bs)
+    return LoaderEvalData(loader, sampler, eval_bs)
+
+
+def _loader_options(cfg: LoaderDataConfig, env: DistEnv) -> dict[str, Any]:
+    return dict(
+        num_workers=cfg.num_workers,
+        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
+        pin_memory=cfg.pin_memory and env.device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
+    )
 
 
 def describe(data: TrainData) -> str:

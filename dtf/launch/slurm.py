@@ -81,6 +81,13 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> R
     return result
 
 
+def step_port() -> int:
+    """The rendezvous port of this srun step's ranks. submitit derives one from the job id alone:
+    steps of one allocation (a sweep's points, or runs side by side) would all use the same one."""
+    step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+    return random.Random(step).randint(20000, 60000)
+
+
 def srun_task_main() -> None:
     """What every task of an in-allocation srun step runs (`python -c ... <task file>`): the rank
     function and the config the driver resolved, loaded from the task file; the result goes to a
@@ -90,11 +97,7 @@ def srun_task_main() -> None:
     task_file = Path(sys.argv[1])
     fn, cfg, run_dir = pickle_load(task_file)
     rank = int(os.environ["SLURM_PROCID"])
-    if "MASTER_PORT" not in os.environ:
-        # submitit derives the port from the job id alone: steps of one allocation (a sweep's
-        # points, or runs side by side) would all use the same one.
-        step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
-        os.environ["MASTER_PORT"] = str(random.Random(step).randint(20000, 60000))
+    os.environ.setdefault("MASTER_PORT", str(step_port()))
     result_file = task_file.parent / STEP_RESULT_FILE.format(rank=rank)
 
     try:

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
+from dtf.dist.compat import DDP_SYNC_BUFFERS
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import OptimizerFactory, Strategy, materialise_whole
-
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (whose False still syncs the
-# buffers once, at the start; the old name's False skips that too: the same when every rank builds
-# the model alike, as dtf's ranks do).
-_SYNC_BUFFERS = next(n for n in ("forward_sync_buffers", "broadcast_buffers") if n in inspect.signature(DDP).parameters)
 
 
 class DDPStrategy(Strategy):
@@ -30,7 +25,7 @@ class DDPStrategy(Strategy):
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             find_unused_parameters=self.cfg.find_unused_parameters,
-            **{_SYNC_BUFFERS: self.cfg.forward_sync_buffers},
+            **{DDP_SYNC_BUFFERS: self.cfg.forward_sync_buffers},
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
             **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.optim import Optimizer
 
+from dtf.dist.compat import all_gather_single
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import (
@@ -47,9 +48,6 @@ from dtf.strategy.base import (
     parameter_and_grad_bytes,
 )
 from dtf.strategy.ddp import DDPStrategy
-
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single: the same collective.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
 # second moments, matrix orthogonalisation, line searches): a flat slice would change their math.
@@ -174,6 +172,43 @@ class _FlatBuffer:
     data: torch.Tensor  # every parameter of one dtype and device, padded to a multiple of the world size
     mine: torch.Tensor  # this rank's equal slice of it
     padding: int
+    params: set[nn.Parameter]  # the parameters laid out in it
+
+
+class FlatLayout:
+    """The parameters as views of flat buffers (one per dtype and device), each cut into equal
+    slices, and the pieces of this rank's slice (see the module doc). Made before DDP wraps the
+    model (a later move of the parameters would copy them out of the buffers)."""
+
+    def __init__(
+        self, params: list[nn.Parameter], names: Mapping[nn.Parameter, str], rank: int, world_size: int
+    ) -> None:
+        self.flat: list[_FlatBuffer] = []
+        self.pieces: list[Piece] = []
+        kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in params:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), group in kinds.items():
+            numel = sum(p.numel() for p in group)
+            per_rank = -(-numel // world_size)
+            data = torch.zeros(per_rank * world_size, dtype=dtype, device=device)
+            mine_lo, mine_hi = rank * per_rank, (rank + 1) * per_rank
+            offset = 0
+            with torch.no_grad():
+                for p in group:
+                    size = p.numel()
+                    data[offset : offset + size].copy_(p.detach().reshape(-1))
+                    p.data = data[offset : offset + size].view(p.shape)
+                    lo, hi = max(offset, mine_lo), min(offset + size, mine_hi)
+                    if lo < hi:
+                        blocks = flat_range_blocks(tuple(p.shape), lo - offset, hi - offset)
+                        self.pieces.append(Piece(names[p], p, lo - offset, hi - offset, data[lo:hi], blocks))
+                    offset += size
+            self.flat.append(_FlatBuffer(data, data[mine_lo:mine_hi], per_rank * world_size - numel, set(group)))
+
+    @property
+    def padding_bytes(self) -> int:
+        return sum(b.padding * b.data.element_size() for b in self.flat)
 
 
 class ShardedOptimizer(Optimizer):
@@ -182,10 +217,17 @@ class ShardedOptimizer(Optimizer):
     param_groups are the user's groups over the whole parameters: what LR schedulers and dtf
     edit. Their settings are copied into the local optimizer's groups before every step and
     every checkpoint. The state lives in `local`; save and load it with sharded_state_dict() and
-    load_sharded_state_dict() (Optimizer.state_dict would hold none of it)."""
+    load_sharded_state_dict() (Optimizer.state_dict would hold none of it).
+
+    layout: the parameters' layout when it was made already (a function's model, laid out before
+    its optimizer exists, dtf.train.function_model); default: laid out here, in the groups' order."""
 
     def __init__(
-        self, template: Optimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None = None
+        self,
+        template: Optimizer,
+        names: Mapping[nn.Parameter, str],
+        group: dist.ProcessGroup | None = None,
+        layout: FlatLayout | None = None,
     ) -> None:
         self.process_group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -199,9 +241,10 @@ class ShardedOptimizer(Optimizer):
                         "build it over the parameters it is given"
                     )
                 self._names[p] = names[p]
-        self._flat: list[_FlatBuffer] = []
-        self.pieces: list[Piece] = []
-        self._lay_out([p for g in self.param_groups for p in g["params"]])
+        mine = [p for g in self.param_groups for p in g["params"]]
+        self.layout = layout or FlatLayout(mine, self._names, self.rank, self.world_size)
+        self.pieces = [pc for pc in self.layout.pieces if pc.param in self._names]
+        self._flat = [b for b in self.layout.flat if b.params & self._names.keys()]
         in_group = [{id(p) for p in g["params"]} for g in self.param_groups]
         local_groups = [
             {**_settings(g), "params": [pc.tensor for pc in self.pieces if id(pc.param) in members]}
@@ -209,32 +252,9 @@ class ShardedOptimizer(Optimizer):
         ]
         self.local = _same_class_over(template, local_groups)
 
-    def _lay_out(self, params: list[nn.Parameter]) -> None:
-        kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in params:
-            kinds.setdefault((p.dtype, p.device), []).append(p)
-        n, r = self.world_size, self.rank
-        for (dtype, device), group in kinds.items():
-            numel = sum(p.numel() for p in group)
-            per_rank = -(-numel // n)
-            data = torch.zeros(per_rank * n, dtype=dtype, device=device)
-            mine_lo, mine_hi = r * per_rank, (r + 1) * per_rank
-            offset = 0
-            with torch.no_grad():
-                for p in group:
-                    size = p.numel()
-                    data[offset : offset + size].copy_(p.detach().reshape(-1))
-                    p.data = data[offset : offset + size].view(p.shape)
-                    lo, hi = max(offset, mine_lo), min(offset + size, mine_hi)
-                    if lo < hi:
-                        blocks = flat_range_blocks(tuple(p.shape), lo - offset, hi - offset)
-                        self.pieces.append(Piece(self._names[p], p, lo - offset, hi - offset, data[lo:hi], blocks))
-                    offset += size
-            self._flat.append(_FlatBuffer(data, data[mine_lo:mine_hi], per_rank * n - numel))
-
     @property
     def padding_bytes(self) -> int:
-        return sum(b.padding * b.data.element_size() for b in self._flat)
+        return self.layout.padding_bytes
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "local"):
@@ -267,7 +287,7 @@ class ShardedOptimizer(Optimizer):
             for piece in self.pieces:
                 piece.tensor.grad = None
         for buffer in self._flat:
-            _all_gather_single(buffer.data, buffer.mine, group=self.process_group)
+            all_gather_single(buffer.data, buffer.mine, group=self.process_group)
         return loss
 
     def _materialise_state(self) -> None:

@@ -1,32 +1,39 @@
 """trainer=function: your own training function, made distributed (Maggy's `lagom`, HorovodRunner's
-`run`). On every rank dtf calls
+`run`). In mode "function" (the default) dtf calls on every rank
 
-    fn(module, hparams, train_set, test_set) -> float | dict[str, float]
+    fn(module, hparams, train_set, test_set) -> float | dict[str, float] | None
 
 with no distributed code in it:
 
 - `module(**kwargs)` builds the model (the configured model, or the class given to
   dtf.run_function, with kwargs over its settings) and returns it wrapped by the configured
-  strategy. An optimizer the function builds over its parameters steps what this rank holds
-  (with ZeRO stage 1: the parameters this rank owns, ParameterOwners).
+  strategy (dtf.train.function_model). An optimizer the function builds over its parameters
+  steps what this rank holds (with ZeRO stage 1: an element-wise slice).
 - `train_set` is this rank's share of the training set: equal on every rank (strided, the last
   len % world_size samples left out), so every DataLoader the function builds over it yields the
   same number of batches on every rank and no rank waits in a collective for a peer that is done.
+  A DistributedSampler the function builds over it gets the whole set (dtf.train.function_data).
 - `test_set` is this rank's share of the test set: every sample on exactly one rank. The value
-  the function returns is averaged over the ranks weighted by those shares (a sum and a count, not
-  a mean of means): exact for any per-sample mean (a loss, an accuracy).
+  the function returns is averaged over the ranks weighted by the samples each saw (a sum and a
+  count, not a mean of means): exact for any per-sample mean (a loss, an accuracy). What is not
+  a per-sample mean (a mean of batch means) the function reports exactly with
+  dtf.report(name, total, count), summed over the ranks.
 - In eval mode (model.eval()) the model's forward needs no collective, so ranks may run different
-  numbers of test batches: a sharded model (fsdp, mics, zero stage 2-3) is gathered once when
-  eval() is called and freed again by train(); DDP skips its forward-time buffer sync.
+  numbers of test batches.
 
-Checkpointing is not offered in this mode (the function owns its loop); see docs/python-api.md.
+In mode "torchrun" dtf calls fn(*args, **kwargs) on every rank with torchrun's environment
+(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) and no process group: the function
+makes its own (torch.distributed, or dtf.horovod's hvd.init()), as under TorchDistributor or
+HorovodRunner, and rank 0's return value is the run's.
+
+Checkpointing is not offered in these modes (the function owns its loop); see docs/python-api.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,22 +51,38 @@ from dtf.data.loader import split_datasets
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.results import Finished
-from dtf.strategy.base import no_optimizer
 from dtf.train import summary as run_summary
+from dtf.train.function_data import Shard, watching_samplers
+from dtf.train.function_model import ModuleFactory, StepCounter
 from dtf.train.rng import seed_everything
-from dtf.train.summary import FunctionSummary, RankFigures
+from dtf.train.summary import FunctionSummary, RankFigures, TorchrunSummary
+
+FUNCTION, TORCHRUN = "function", "torchrun"
+# What dtf.run_function composes into trainer.fn: its function travels as the payload
+SHIPPED = "dtf.train.function.shipped_by_run_function"
+
+
+def shipped_by_run_function(*args: Any, **kwargs: Any) -> None:
+    raise UserError(
+        "trainer.fn: this run's function was shipped by dtf.run_function from Python and is not in its config: "
+        "run it again from Python, or name your function with trainer.fn._target_=mypkg.train"
+    )
 
 
 @dataclass
 class Payload:
     """What dtf.run_function ships to the ranks (cloudpickled): the function and the objects a
-    config cannot name. None: the config's (trainer.fn, model, data.dataset, trainer.hparams)."""
+    config cannot name. None: the config's (trainer.fn, model, data.dataset, trainer.hparams).
+    mode "torchrun": fn(*args, **kwargs), with its own process group."""
 
     fn: Callable[..., Any]
     module: Callable[..., nn.Module] | None = None
     train_set: Dataset | None = None
     test_set: Dataset | None = None
     hparams: dict[str, Any] = field(default_factory=dict)
+    mode: str = FUNCTION
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def load(payload: bytes | None) -> Payload | None:
@@ -80,159 +103,35 @@ def dump(payload: Payload) -> bytes:
     return bytes(cloudpickle.dumps(payload))
 
 
-class Shard(Dataset):
-    """This rank's samples of a dataset: indices rank, rank + world, rank + 2 world, ..."""
+# ---- dtf.report ------------------------------------------------------------------------------
 
-    def __init__(self, dataset: Dataset, rank: int, world_size: int, equal: bool) -> None:
-        n = len(dataset)  # type: ignore[arg-type]
-        end = n - n % world_size if equal else n
-        self.dataset = dataset
-        self.indices = range(rank, end, world_size)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.dataset[self.indices[i]]
+_reports: dict[str, list[float]] | None = None  # name -> [total, count] while a function runs here
 
 
-class ModuleFactory:
-    """`module(**kwargs)` inside the function: the model, built and wrapped by the strategy."""
-
-    def __init__(self, build: Callable[..., nn.Module], strategy: strategies.Strategy, env: DistEnv) -> None:
-        self._build, self._strategy, self._env = build, strategy, env
-        self.models: list[nn.Module] = []
-        self.owners: list[ParameterOwners] = []
-
-    def __call__(self, **kwargs: Any) -> nn.Module:
-        from dtf.strategy.ddp import DDPStrategy
-        from dtf.strategy.zero1 import Zero1Strategy
-
-        model = self._strategy.build_model(lambda: self._build(**kwargs))
-        if isinstance(self._strategy, Zero1Strategy):  # its optimizer is the function's: sharded by owner
-            wrapped, _ = DDPStrategy.setup(self._strategy, model, no_optimizer, self._env)
-            self.owners.append(ParameterOwners(wrapped, self._env))
-        else:
-            wrapped, _ = self._strategy.setup(model, no_optimizer, self._env)  # the function builds its own
-        _eval_without_collectives(wrapped)
-        self.models.append(wrapped)
-        return wrapped
-
-    def close(self) -> None:
-        for owners in self.owners:
-            owners.close()
-
-
-class ParameterOwners:
-    """ZeRO stage 1 for an optimizer the function builds itself. Each parameter has one owner rank
-    (the largest first, each to the least loaded rank, as torch's ZeroRedundancyOptimizer
-    partitions). Before a step the gradients a rank does not own are dropped, so its optimizer
-    skips those parameters and keeps state for its own only; after it each owner broadcasts what
-    it updated. The gradients are DDP's averaged ones: every parameter moves as under DDP."""
-
-    def __init__(self, model: nn.Module, env: DistEnv) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self.rank = env.rank
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        loads = [0] * env.world_size
-        self.owner: dict[nn.Parameter, int] = {}
-        for p in sorted(self.params, key=lambda p: -p.numel()):  # stable: the same on every rank
-            self.owner[p] = loads.index(min(loads))
-            loads[self.owner[p]] += p.numel()
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._drop_foreign_gradients),
-            register_optimizer_step_post_hook(self._broadcast_updates),
-        ]
-
-    def _steps_these(self, optimizer: Any) -> bool:
-        return any(p in self.owner for group in optimizer.param_groups for p in group["params"])
-
-    def _drop_foreign_gradients(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._steps_these(optimizer):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if self.owner.get(p, self.rank) != self.rank:
-                        p.grad = None
-
-    def _broadcast_updates(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._steps_these(optimizer):
-            with torch.no_grad():
-                for p in self.params:  # the same order on every rank
-                    dist.broadcast(p.data, src=self.owner[p])
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-
-def _eval_without_collectives(model: nn.Module) -> None:
-    """model.eval() / model.train() switch the model between the training forward (collectives
-    wherever the strategy needs them) and an eval forward that needs none, so ranks holding
-    different numbers of test samples never wait for each other."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    resharding: dict[int, bool] = {}  # each module's setting when eval() was called, for train()
-    original_train = model.train
-
-    def train(self: nn.Module, mode: bool = True) -> nn.Module:
-        was_training = self.training
-        original_train(mode)
-        if mode == was_training:
-            return self
-        if isinstance(self, DistributedDataParallel):
-            self.require_backward_grad_sync = mode  # no_sync's switch: no buffer sync in an eval forward
-        for m in sharded:  # gathered once here, together on every rank: eval() is called by all
-            if not mode:
-                resharding[id(m)] = _reshards_after_forward(m)
-                m.set_reshard_after_forward(False, recurse=False)
-                m.unshard()
-            else:
-                m.set_reshard_after_forward(resharding.get(id(m), True), recurse=False)
-                m.reshard()
-        return self
-
-    model.train = types.MethodType(train, model)  # type: ignore[method-assign]
-
-
-def _reshards_after_forward(module: nn.Module) -> bool:
-    """FSDP2's current reshard_after_forward of the module (the root's changes at its first forward)."""
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    # torch >= 2.12 keeps a list of parameter groups; before, one group (or None)
-    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-    return any(g is not None and g.post_forward_mesh_info is not None for g in groups)
-
-
-class StepCounter:
-    """Optimizer steps this rank took while the function ran (torch's global step hook), and the
-    optimizers that took them."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.optimizers: list[Any] = []
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self._handle = register_optimizer_step_post_hook(self._count)
-
-    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.steps += 1
-        if not any(o is optimizer for o in self.optimizers):
-            self.optimizers.append(optimizer)
-
-    def state_bytes(self) -> int:
-        """The optimizers' state on this rank (Adam's moments: what ZeRO shards)."""
-        return sum(
-            t.numel() * t.element_size()
-            for o in self.optimizers
-            for state in o.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
+def report(name: str, total: float, count: float) -> None:
+    """From inside a training function: the value `name` is total / count over all ranks, each
+    rank adding its total and count (a loss summed over its test samples, and their number).
+    Reporting the same name again adds to it."""
+    if _reports is None:
+        raise UserError(
+            "dtf.report(name, total, count) is for a training function dtf runs (dtf.run_function, trainer=function)"
         )
+    entry = _reports.setdefault(str(name), [0.0, 0.0])
+    entry[0] += float(total)
+    entry[1] += float(count)
 
-    def close(self) -> None:
-        self._handle.remove()
+
+@contextlib.contextmanager
+def _collecting_reports() -> Iterator[dict[str, list[float]]]:
+    global _reports
+    _reports = {}
+    try:
+        yield _reports
+    finally:
+        _reports = None
+
+
+# ---- one rank's run --------------------------------------------------------------------------
 
 
 def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -> Finished | None:
@@ -246,23 +145,28 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) ->
         )
     strategy = strategies.build(run.strategy, run.trainer.precision)
     factory = ModuleFactory(build, strategy, env)
-    train_shard = Shard(train_set, env.rank, env.world_size, equal=True)
-    test_shard = Shard(test_set, env.rank, env.world_size, equal=False) if test_set is not None else None
+    train_shard = Shard(train_set, env.rank, env.world_size, equal=True, name="train_set")
+    test_shard = (
+        Shard(test_set, env.rank, env.world_size, equal=False, name="test_set") if test_set is not None else None
+    )
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, your function "
-            f"{_name(fn, run)}: {len(train_shard)} training samples per rank; run dir {run_dir}",
+            f"{_name(fn, run, payload)}: {len(train_shard)} training samples per rank; run dir {run_dir}",
             flush=True,
         )
-    counter = StepCounter()
+    counter = StepCounter(factory)
     started = time.perf_counter()
+    shards = [s for s in (train_shard, test_shard) if s is not None]
     try:
-        returned = fn(factory, dict(hparams), train_shard, test_shard)
+        with _collecting_reports() as reports, watching_samplers(shards, env.is_main):
+            returned = fn(factory, dict(hparams), train_shard, test_shard)
     finally:
         counter.close()
         factory.close()
     seconds = time.perf_counter() - started
-    result = _averaged(returned, len(test_shard) if test_shard is not None else 1, env)
+    weight = test_shard.used_on_this_rank() if test_shard is not None else 1
+    result = _combined(_averaged(returned, weight, env), _reported(reports, env))
     return _finish(run, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
 
 
@@ -286,8 +190,8 @@ def _inputs(
     return fn, _from_config(cfg.model), train_set, test_set, hparams
 
 
-def _name(fn: Any, run: RunConfig) -> str:
-    if run.trainer.fn is not None:
+def _name(fn: Any, run: RunConfig, payload: Payload | None) -> str:
+    if payload is None and run.trainer.fn is not None:
         return str(run.trainer.fn["_target_"])
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
 
@@ -300,11 +204,13 @@ def _from_config(model_cfg: DictConfig) -> Callable[..., nn.Module]:
     return build
 
 
-def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, float]:
+def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, float] | None:
     """The function's value(s), averaged over the ranks with this rank's test samples as weight."""
     if isinstance(returned, Mapping):
         names = sorted(returned)
         values = [returned[k] for k in names]
+    elif returned is None:
+        names, values = [], []
     else:
         names, values = [], [returned]
     try:
@@ -314,15 +220,47 @@ def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, floa
             f"trainer.fn returned {returned!r}: return a number (e.g. the test loss) or a dict of numbers"
         ) from None
     sums = torch.tensor([*(v * count for v in numbers), float(count)], dtype=torch.float64)
-    shapes = [None] * env.world_size
-    dist.all_gather_object(shapes, names)  # every rank must return the same kind of value
-    if any(s != names for s in shapes):
+    kinds = [None] * env.world_size
+    kind = "none" if returned is None else names
+    dist.all_gather_object(kinds, kind)  # every rank must return the same kind of value
+    if any(k != kind for k in kinds):
         raise UserError(
-            f"trainer.fn returned different keys on different ranks ({shapes}): return the same on every rank"
+            f"trainer.fn returned different keys on different ranks ({kinds}): return the same on every rank"
         )
+    if returned is None:
+        return None
     dist.all_reduce(sums)
     averaged = (sums[:-1] / sums[-1]).tolist()
     return dict(zip(names, averaged, strict=True)) if names else averaged[0]
+
+
+def _reported(reports: dict[str, list[float]], env: DistEnv) -> dict[str, float]:
+    """dtf.report's values: each name's totals and counts summed over the ranks, divided."""
+    names = sorted(reports)
+    every: list[Any] = [None] * env.world_size
+    dist.all_gather_object(every, names)
+    if any(n != names for n in every):
+        raise UserError(
+            f"dtf.report: the ranks reported different names ({every}): report the same names on every rank"
+        )
+    sums = torch.tensor([x for n in names for x in reports[n]], dtype=torch.float64)
+    dist.all_reduce(sums)
+    return {n: float(sums[2 * i] / sums[2 * i + 1]) for i, n in enumerate(names)}
+
+
+def _combined(returned: float | dict[str, float] | None, reported: dict[str, float]) -> float | dict[str, float]:
+    if not reported:
+        if returned is None:
+            raise UserError("trainer.fn returned nothing: return a number or a dict of numbers, or dtf.report values")
+        return returned
+    if isinstance(returned, float):
+        raise UserError(
+            "trainer.fn returned a number and reported values with dtf.report: return a dict (or nothing) beside them"
+        )
+    both = sorted(set(returned or {}) & set(reported))
+    if both:
+        raise UserError(f"trainer.fn returned and reported {both}: give each value one name")
+    return {**(returned or {}), **reported}
 
 
 def _finish(
@@ -339,7 +277,11 @@ def _finish(
     states = [strategy.full_state_dict(m) for m in factory.models]  # an all-gather for sharded models
     digests = [run_summary.params_sha256(state) for state in states]
     local = RankFigures(
-        counter.steps, ",".join(digests), run_summary.peak_rss_bytes(), optimizer_state_bytes=counter.state_bytes()
+        counter.steps,
+        ",".join(digests),
+        run_summary.peak_rss_bytes(),
+        model_state_bytes=counter.model_state_bytes,
+        optimizer_state_bytes=counter.state_bytes(),
     )
     ranks = run_summary.from_every_rank(local, env)
     if not env.is_main:
@@ -353,6 +295,7 @@ def _finish(
         objective_name=run.trainer.objective if isinstance(result, dict) else "result",
         global_step=ranks[0].steps,
         optimizer_state_bytes=[r.optimizer_state_bytes for r in ranks],
+        model_state_bytes=[r.model_state_bytes for r in ranks],
         train_seconds=seconds,
         data_samples=num_samples,
         data_dropped_per_epoch=num_samples % env.world_size,
@@ -369,14 +312,73 @@ def _finish(
     return Finished(summary.as_dict())
 
 
-def _objective(run: RunConfig, result: float | dict[str, float]) -> float:
+def _objective(run: RunConfig, result: float | dict[str, Any]) -> float:
     """The value trainer.objective names among the function's returned values (its only one, if one)."""
     if not isinstance(result, dict):
-        return result
+        return float(result)
     objective_name = run.trainer.objective.partition("/")[2]
     if objective_name not in result:
         raise UserError(
             f"trainer.objective={run.trainer.objective}: the function returned {sorted(result)}; name one of "
             f"them, e.g. trainer.objective=test/{sorted(result)[0]}"
         )
-    return result[objective_name]
+    return float(result[objective_name])
+
+
+# ---- mode "torchrun" -------------------------------------------------------------------------
+
+
+def run_torchrun(run: RunConfig, run_dir: Path, payload: Payload) -> Finished | None:
+    """fn(*args, **kwargs) on this rank, which the function's own init_process_group (or
+    hvd.init()) joins to the others; rank 0 returns Finished with its return value under
+    "returned". A process group the function leaves behind is ended here: a Spark executor's
+    Python worker runs the next task, which must not find this one's group."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    counter = StepCounter()
+    started = time.perf_counter()
+    try:
+        returned = payload.fn(*payload.args, **payload.kwargs)
+    finally:
+        counter.close()
+        _end_leftover_group()
+    if rank != 0:
+        return None
+    summary = TorchrunSummary(
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        result=run_summary.as_json(returned),
+        objective=_torchrun_objective(run, returned),
+        objective_name=run.trainer.objective if isinstance(returned, Mapping) else "result",
+        objective_mode=run.trainer.objective_mode.value,
+        global_step=counter.steps,
+        train_seconds=time.perf_counter() - started,
+        launcher=run.launcher.name,
+        run_dir=str(run_dir),
+    )
+    summary.write(run_dir)
+    print(
+        f"dtf: {summary.world_size} rank(s) ran {_name(payload.fn, run, payload)}; rank 0 returned "
+        f"{_shortened(repr(returned))}; summary {run_dir / run_summary.SUMMARY_FILE}",
+        flush=True,
+    )
+    return Finished({**summary.as_dict(), "returned": returned})
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _torchrun_objective(run: RunConfig, returned: Any) -> float | None:
+    value = returned.get(run.trainer.objective.partition("/")[2]) if isinstance(returned, Mapping) else returned
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _end_leftover_group() -> None:
+    import sys
+
+    horovod = sys.modules.get("dtf.horovod")
+    if horovod is not None:
+        horovod.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

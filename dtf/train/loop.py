@@ -20,7 +20,7 @@ from dtf import strategy as strategies
 from dtf.config.schema import ParquetDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
-from dtf.data.loader import EvalData, TrainData
+from dtf.data.interface import EvalData, TrainData
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.results import Finished, RunResult, Stopped

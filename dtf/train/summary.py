@@ -66,8 +66,18 @@ def peak_rss_bytes() -> int | None:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # kilobytes on Linux
 
 
+class Record:
+    """A record summary.json is written from."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def write(self, run_dir: Path) -> None:
+        write_json(run_dir / SUMMARY_FILE, self.as_dict())
+
+
 @dataclass(kw_only=True)
-class Summary:
+class Summary(Record):
     """What every run records, whichever trainer ran it."""
 
     world_size: int
@@ -88,12 +98,6 @@ class Summary:
     data_dropped_per_epoch: int  # over all ranks
     weights_file: str | None  # model.pt in the run dir, if exported
     run_dir: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def write(self, run_dir: Path) -> None:
-        write_json(run_dir / SUMMARY_FILE, self.as_dict())
 
 
 @dataclass(kw_only=True)
@@ -142,6 +146,35 @@ class FunctionSummary(Summary):
     mode: str = "function"
     result: float | dict[str, float]
     optimizer_state_bytes: list[int | None]  # per rank: the function's optimizers' state
+    # per rank, after the first step: parameters, gradients and optimizer state (the Trainer's model_state_bytes)
+    model_state_bytes: list[int | None]
+
+
+@dataclass(kw_only=True)
+class TorchrunSummary(Record):
+    """dtf.run_function(mode="torchrun"): the function ran its own process group, so this is
+    what rank 0 saw."""
+
+    mode: str = "torchrun"
+    world_size: int
+    result: Any  # rank 0's return value (its repr where JSON cannot hold it)
+    objective: float | None  # the result, or its trainer.objective key, when a number
+    objective_name: str
+    objective_mode: str
+    global_step: int  # rank 0's optimizer steps
+    train_seconds: float
+    launcher: str
+    run_dir: str
+
+
+def as_json(value: Any) -> Any:
+    """value where JSON holds it as it is, else its repr."""
+    import json
+
+    try:
+        return value if json.loads(json.dumps(value)) == value else repr(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 @dataclass(frozen=True)
@@ -152,7 +185,7 @@ class RankFigures:
     params_digest: str
     peak_rss: int | None
     config_digest: str | None = None  # dtf's loop
-    model_state_bytes: int | None = None  # dtf's loop
+    model_state_bytes: int | None = None
     optimizer_state_bytes: int | None = None  # trainer=function
 
 

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from dtf.config.schema import TrainerConfig
 from dtf.data.batch import batch_size_of, take_first, to_device
-from dtf.data.loader import EvalData, TrainData
+from dtf.data.interface import EvalData, TrainData
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import Strategy
 from dtf.train.blocks import compiled_graphs

@@ -48,8 +48,9 @@ def test_every_model_builds_and_runs_forward(name: str) -> None:
         assert model(x).shape[0] == 3
 
 
-# data=petastorm reads files instead of building a Dataset: tests/unit/test_parquet_config.py covers it.
-@pytest.mark.parametrize("name", [n for n in options("data") if n != "petastorm"])
+# data=parquet (and data=petastorm, its former name) reads files instead of building a Dataset:
+# tests/unit/test_parquet_config.py covers it.
+@pytest.mark.parametrize("name", [n for n in options("data") if n not in ("parquet", "petastorm")])
 def test_every_data_option_builds_train_and_test(name: str) -> None:
     cfg = make(f"data={name}")
     validate(cfg)

@@ -207,8 +207,20 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
     ("args", "line"),
     [
         (["strategy=nope"], "In 'config': Could not find 'strategy/nope' Available options in 'strategy': ddp fsdp"),
-        (["trainer.max_step=2"], "Could not override 'trainer.max_step'. To append to your config use +trainer"),
-        (["trainer.max_step=1,2"], "Could not override 'trainer.max_step'. To append to your config use +"),
+        (
+            ["trainer.max_step=2"],
+            "trainer.max_step is not a setting of dtf's trainer (did you mean trainer.max_steps?)",
+        ),
+        (["trainer.max_step=1,2"], "trainer.max_step is not a setting of dtf's trainer (did you mean trainer.max_st"),
+        # a wrong type: the key, the value and the type it needs
+        (
+            ["trainer.max_epochs=abc"],
+            "Error merging override trainer.max_epochs=abc: Value 'abc' of type 'str' could not be converted to Int",
+        ),
+        # keys no dtf section reads, as other tools spell them: refused, never silently ignored
+        (["+ckpt_path=/x/last.ckpt"], "ckpt_path is not a setting of dtf: a run resumes from checkpoint.resume"),
+        (["+logger=[]"], "logger is not a setting of dtf: "),
+        (["+my_root=/data"], "my_root is not a setting of dtf: a value of your own goes under extra (+extra.my_root"),
     ],
 )
 def test_a_command_line_hydra_cannot_compose_is_one_line(dtf, args: list[str], line: str) -> None:  # type: ignore[no-untyped-def]

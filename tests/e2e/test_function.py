@@ -74,19 +74,7 @@ def check_two_ranks(run) -> dict:  # type: ignore[no-untyped-def]
     return s
 
 
-def test_on_two_ranks_ddp_and_zero_stage_1_train_the_same_parameters(dtf) -> None:  # type: ignore[no-untyped-def]
-    # ZeRO-1 with the function's own optimizer: each rank steps only the parameters it owns, with
-    # DDP's averaged gradients, and broadcasts them: every parameter moves as under DDP, bit for bit.
-    ddp = check_two_ranks(dtf(*FUNCTION, "strategy=ddp", *SMALL))
-    zero = check_two_ranks(dtf(*FUNCTION, "strategy=zero", *SMALL))
-    assert zero["strategy_settings"]["stage"] == 1 and zero["params_sha256"] == ddp["params_sha256"]
-    # ... while each rank holds Adam's state for its own parameters only: together, one DDP rank's
-    full = ddp["optimizer_state_bytes"]
-    assert full[0] == full[1] and sum(zero["optimizer_state_bytes"]) == full[0]
-    # (by whole parameters, as torch's ZeroRedundancyOptimizer: here one 100x100 weight is most of it)
-    assert min(zero["optimizer_state_bytes"]) > 0 and max(zero["optimizer_state_bytes"]) < full[0]
-
-
+# strategy=ddp and strategy=zero (stage 1) against each other: tests/dist/test_function_ranks.py
 @pytest.mark.parametrize("strategy", [["strategy=zero", "strategy.stage=2"], ["strategy=fsdp"]])
 def test_on_two_ranks_it_trains_under_the_sharded_strategies_and_the_ranks_agree(dtf, strategy: list[str]) -> None:  # type: ignore[no-untyped-def]
     check_two_ranks(dtf(*FUNCTION, *strategy, *SMALL))
@@ -125,3 +113,42 @@ def test_what_function_mode_cannot_do_is_one_line(dtf, args: list[str], start: s
     assert run.returncode == 2
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(start), run.stderr
+
+
+def test_a_torchrun_style_function_and_a_horovodrunner_return_rank_0s_value(tmp_path: Path) -> None:
+    # TorchDistributor's contract: the function makes its own process group from the environment;
+    # HorovodRunner's: hvd.init() in the function, `import horovod.torch` given by install()
+    body = """
+import json, torch, torch.distributed as dist, dtf
+from dtf.horovod import HorovodRunner, install
+
+def plain(scale):
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item() * scale}
+    dist.destroy_process_group()
+    return out
+
+def with_horovod(offset):
+    import horovod.torch as hvd
+    hvd.init()
+    return {"rank": hvd.rank(), "mean": hvd.allreduce(torch.tensor([float(hvd.rank())])).item() + offset}
+
+if __name__ == "__main__":
+    a = dtf.run_function(plain, 10, mode="torchrun", overrides=["launcher.nproc=2"], run_dir="plain")
+    install()
+    b = HorovodRunner(np=-2, run_dir="hvd").run(with_horovod, offset=1.0)
+    print(json.dumps([a, b]))
+"""
+    (tmp_path / "script.py").write_text(body)
+    done = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=dtf_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain, horovod = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plain == {"rank": 0, "world": 2, "sum": 30.0} and horovod == {"rank": 0, "mean": 1.5}
+    for run_dir, returned in (("plain", plain), ("hvd", horovod)):
+        summary = json.loads((tmp_path / run_dir / "summary.json").read_text())
+        assert summary["mode"] == "torchrun" and summary["world_size"] == 2 and summary["result"] == returned
+    assert "rank 0 returned {'rank': 0, 'mean': 1.5}" in done.stdout

@@ -171,6 +171,18 @@ def test_a_notebooks_own_spark_session_runs_the_ranks(tmp_path: Path, master: st
     assert summary["launcher"] == "spark"
 
 
+def test_the_horovodrunner_notebook_runs_its_ranks_on_the_notebooks_spark_session(tmp_path: Path, master: str) -> None:
+    # Databricks' notebook with `from sparkdl import HorovodRunner` changed: HorovodRunner(np=2)
+    from tests.e2e.test_notebooks import check_horovod_notebook
+    from tests.helpers.notebooks import execute
+
+    printed = execute(
+        "horovod_mnist.ipynb", tmp_path, {"DTF_SPARK_MASTER": master, "DTF_HVD_NP": "2", "DTF_EPOCHS": "2"}
+    )
+    assert f"on {master}" in printed[0], printed[0][-2000:]
+    assert check_horovod_notebook(printed, 2, tmp_path)["launcher"] == "spark"
+
+
 def test_a_master_other_than_the_active_sessions_is_one_error(tmp_path: Path) -> None:
     # Spark keeps one session per process and would silently run on it: say so instead.
     import subprocess

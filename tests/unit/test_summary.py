@@ -59,7 +59,7 @@ LOOP = EVERY_RUN | {
     "slurm_restarts",
     "pruned",
 }
-FUNCTION = EVERY_RUN | {"mode", "result", "optimizer_state_bytes"}
+FUNCTION = EVERY_RUN | {"mode", "result", "optimizer_state_bytes", "model_state_bytes"}
 SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=200"]
 
 

@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import ListConfig
 
 from dtf.config.schema import ParquetDataConfig
+from dtf.data.interface import DataSplits
 from dtf.data.parquet.plan import (
     EpochOrder,
     Partitions,
@@ -362,12 +363,11 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
         )
 
 
-def build(
-    cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
-) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+def build_splits(cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None) -> DataSplits:
     """recorded_partitions: data.canonical_partitions as the checkpoint a resumed run starts from recorded it."""
-    source, test = open_sources(cfg, env.world_size)
-    _check_same_everywhere(f"{source.fingerprint()}; test: {test.fingerprint() if test else None}", env)
+    sources = open_sources(cfg, env.world_size)
+    seen = "; ".join(f"{name}: {s.fingerprint() if s else None}" for name, s in vars(sources).items())
+    _check_same_everywhere(seen, env)
     features = list(cfg.feature_columns)
     kind = _value(cfg.reader)
     transform = build_transform(cfg.transform)
@@ -384,8 +384,14 @@ def build(
         layout = BatchLayout(tuple(features), cfg.label_column, dict(src.shapes), dtype)
         return _Stream(src, layout, reader, transform)
 
+    def evaluation(src: ParquetSource | None) -> ParquetEvalData | None:
+        if src is None:
+            return None
+        segments, num_real = eval_share(src.piece_rows, env.world_size, env.rank)
+        return ParquetEvalData(stream(src), cfg.eval_batch_size or cfg.batch_size, segments, num_real)
+
     train = ParquetTrainData(
-        stream(source),
+        stream(sources.train),
         rank=env.rank,
         world_size=env.world_size,
         batch_size=cfg.batch_size,
@@ -395,7 +401,12 @@ def build(
         pad=_value(cfg.remainder) == "pad",
         num_partitions=choose_partitions(cfg.canonical_partitions, recorded_partitions, env.world_size, cfg.batch_size),
     )
-    if test is None:
-        return train, None
-    segments, num_real = eval_share(test.piece_rows, env.world_size, env.rank)
-    return train, ParquetEvalData(stream(test), cfg.eval_batch_size or cfg.batch_size, segments, num_real)
+    return DataSplits(train, evaluation(sources.val), evaluation(sources.test))
+
+
+def build(
+    cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
+) -> tuple[ParquetTrainData, ParquetEvalData | None]:
+    """(training batches, test batches): build_splits without the validation split."""
+    splits = build_splits(cfg, env, seed, recorded_partitions)
+    return splits.train, splits.test  # type: ignore[return-value]

@@ -78,6 +78,9 @@ class RowGroupReader:
         try:
             # One thread's reads are sequential: Arrow parallelism inside them would only compete with the others'.
             table = _open(self.source, path).read_row_group(row_group, columns=stored, use_threads=False)
+            start, rows = self.source.start_of(piece), self.source.piece_rows[piece]
+            if start or rows != table.num_rows:  # part of the row group (a split held out for validation)
+                table = table.slice(start, rows)
             out: Columns = {}
             for column in self.columns:
                 if column in partition:
@@ -395,7 +398,7 @@ def _check_unchanged(source: ParquetSource) -> None:
         files = {f.path for f in list_dataset(fs, root).get_fragments()}
     except Exception as e:
         raise UserError(f"{source.key}={source.url} cannot be listed any more ({first_line(e)})") from None
-    planned = {path for path, _ in source.pieces}
+    planned = set(source.files)
     if not planned <= files or (source.filters is None and files != planned):
         gone = sorted(planned - files)
         what = f"{gone[0]} is gone" if gone else f"{len(files - planned)} files were added"

@@ -10,6 +10,7 @@ but Petastorm's schema classes (dtf.data.parquet.petastorm_format).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -82,6 +83,50 @@ class ParquetSource:
     storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Each file's Parquet footer, read once here: readers open the files without reading it again.
     footers: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The first row of each piece in its row group, where a piece is part of one (a split held
+    # out for validation); empty: every piece is a whole row group.
+    piece_starts: tuple[int, ...] = ()
+    # Every file the listing found (those filters keep): a reading checks the data set still holds them.
+    files: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def start_of(self, piece: int) -> int:
+        return self.piece_starts[piece] if self.piece_starts else 0
+
+    def hold_out(self, fraction: float, seed: int, key: str) -> tuple[ParquetSource, ParquetSource]:
+        """(the rest, the held-out rows): round(fraction x rows) rows, as whole row groups drawn in a
+        seeded order and the first rows of one more. A pure function of the metadata and seed:
+        the same split on any world size. Whole row groups, not rows drawn one by one, so that
+        reading either split reads only its own row groups (and one shared)."""
+        total = self.num_rows
+        want = round(fraction * total)
+        if not 0 < want < total:
+            raise UserError(
+                f"{key}={fraction} of the {total} rows of {self.key}={self.url} holds out {want}: leave at least "
+                "one row on each side (a larger or smaller fraction)"
+            )
+        import numpy as np
+
+        taken: dict[int, int] = {}  # piece -> rows held out (its first ones)
+        left = want
+        for piece in np.random.default_rng([seed % 2**63, 7]).permutation(len(self.pieces)).tolist():
+            if left == 0:
+                break
+            held = min(self.piece_rows[piece], left)
+            if held:
+                taken[piece] = held
+                left -= held
+        rest = [(p, self.start_of(p) + taken.get(p, 0), n - taken.get(p, 0)) for p, n in enumerate(self.piece_rows)]
+        held = [(p, self.start_of(p), taken[p]) for p in sorted(taken)]
+        return self._subset([r for r in rest if r[2] > 0]), self._subset(held)
+
+    def _subset(self, parts: list[tuple[int, int, int]]) -> ParquetSource:
+        """The source of these (piece, first row, rows) parts of this one's pieces."""
+        return dataclasses.replace(
+            self,
+            pieces=tuple(self.pieces[p] for p, _, _ in parts),
+            piece_rows=tuple(n for _, _, n in parts),
+            piece_starts=tuple(start for _, start, _ in parts),
+        )
 
     @property
     def has_unischema(self) -> bool:
@@ -97,7 +142,7 @@ class ParquetSource:
 
     def fingerprint(self) -> str:
         """Short, and equal exactly when two ranks would plan alike (same row-group sizes in the same order)."""
-        digest = hashlib.sha256(repr(self.piece_rows).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(repr((self.piece_rows, self.piece_starts)).encode()).hexdigest()[:12]
         return f"{self.describe()} ({digest})"
 
     def require_columns(self, key: str, names: list[str]) -> None:
@@ -337,6 +382,7 @@ def inspect(
         partition_values=partition_values,
         storage_options=dict(storage_options or {}),
         footers=footers,
+        files=tuple(files),
     )
 
 
@@ -443,23 +489,30 @@ def _check_filters(dnf: Any, partitions: Mapping[str, str], filters_key: str, ke
                 )
 
 
-def open_sources(data: ParquetDataConfig, world_size: int | None) -> tuple[ParquetSource, ParquetSource | None]:
-    """The train and test sources of a `data=petastorm` config, checked against its settings:
-    files readable, columns present, a full batch for every rank (when world_size is known).
+@dataclass(frozen=True)
+class Sources:
+    """The sources of a data=parquet run: training, and validation and test where given."""
+
+    train: ParquetSource
+    val: ParquetSource | None
+    test: ParquetSource | None
+
+
+def open_sources(data: ParquetDataConfig, world_size: int | None) -> Sources:
+    """The sources of a `data=parquet` config, checked against its settings: files readable,
+    columns present, a full batch for every rank (when world_size is known).
 
     The test data are data.test_path with data.test_filters, or, with only data.test_filters set,
-    data.path with data.test_filters (one Hive-partitioned root for train and test)."""
+    data.path with data.test_filters (one Hive-partitioned root for train and test); the validation
+    data likewise (val_path, val_filters), or data.val_fraction of the training rows."""
     storage = dict(data.storage_options)
     features = list(data.feature_columns)
     train = inspect(data.path, "data.path", storage, data.filters, "data.filters")
-    test_filters = data.test_filters
-    test_path, test_key = (data.test_path, "data.test_path") if data.test_path else (data.path, "data.path")
-    test = (
-        inspect(test_path, test_key, storage, test_filters, "data.test_filters")
-        if data.test_path or test_filters
-        else None
-    )
-    for source in (train, test):
+    test = _split_source(data, "test", data.test_path, data.test_filters, storage)
+    val = _split_source(data, "val", data.val_path, data.val_filters, storage)
+    if data.val_fraction:
+        train, val = train.hold_out(data.val_fraction, data.val_seed, "data.val_fraction")
+    for source in (train, val, test):
         if source is not None:
             source.require_columns("data.feature_columns", features)
             source.require_columns("data.label_column", [data.label_column])
@@ -467,6 +520,20 @@ def open_sources(data: ParquetDataConfig, world_size: int | None) -> tuple[Parqu
             source.require_image_decoder("data.label_column", [data.label_column])
     if world_size is not None:
         train.require_rows(world_size, data.batch_size)
-    if test is not None and test.num_rows == 0:
-        raise UserError(f"{test.key}={test.url} has no rows: give a test set with rows, or data.test_path=null")
-    return train, test
+    for split, source in (("validation", val), ("test", test)):
+        if source is not None and source.num_rows == 0:
+            raise UserError(
+                f"{source.key}={source.url} has no rows: give a {split} set with rows, or "
+                f"data.{'val' if split == 'validation' else 'test'}_path=null"
+            )
+    return Sources(train, val, test)
+
+
+def _split_source(
+    data: ParquetDataConfig, split: str, path: str | None, filters: Any, storage: Mapping[str, Any]
+) -> ParquetSource | None:
+    """An evaluation split: its own path (and filters), or data.path's partitions that its filters keep."""
+    if not path and not filters:
+        return None
+    where, key = (path, f"data.{split}_path") if path else (data.path, "data.path")
+    return inspect(where, key, storage, filters, f"data.{split}_filters")

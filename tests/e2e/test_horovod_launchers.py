@@ -1,0 +1,86 @@
+"""Horovod's examples/pytorch/pytorch_mnist.py (recipes/horovod_pytorch_mnist.py: digits for
+MNIST, the import changed) under three launchers: dtf's local one (`python -m dtf.horovod -np 2
+python ...`), `srun -n 2` on the project's SLURM cluster and Open MPI's `mpirun -n 2`. hvd.init()
+finds its rank and rendezvous under each; the same seed gives the same parameters, bit for bit."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, dtf_env
+from tests.helpers.clusters import run_script, script_cluster, unavailable
+
+SCRIPT = REPO / "recipes" / "horovod_pytorch_mnist.py"
+ARGS = ["--epochs", "1", "--batch-size", "16", "--lr", "0.05"]
+
+
+def run(cmd: list[str], cwd: Path, out: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        [*cmd, sys.executable, str(SCRIPT), *ARGS, "--save-model", out],
+        cwd=cwd,
+        env={**dtf_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def accuracy(stdout: str) -> float:
+    found = re.findall(r"Test set: Average loss: [0-9.]+, Accuracy: ([0-9.]+)%", stdout)
+    assert len(found) == 1, stdout[-2000:]  # printed by rank 0 only
+    return float(found[0])
+
+
+def same_parameters(a: Path, b: Path) -> bool:
+    x, y = torch.load(a), torch.load(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    where = tmp_path_factory.mktemp("local")
+    stdout = run([sys.executable, "-m", "dtf.horovod", "-np", "2"], where, str(where / "params.pt"))
+    return where / "params.pt", accuracy(stdout)
+
+
+@pytest.fixture(scope="module")
+def mpirun() -> list[str]:
+    installed = run_script("local-mpi.sh", "install")
+    lines = [line for line in installed.stdout.splitlines() if line.startswith("export DTF_MPIRUN=")]
+    if installed.returncode != 0 or not lines:
+        unavailable(f"scripts/local-mpi.sh install failed: {installed.stderr.strip()[-500:]}")
+    return shlex.split(lines[-1].split("=", 1)[1].strip('"'))
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[str]:
+    with script_cluster("local-slurm.sh", "SLURM_CONF") as conf:
+        yield conf
+
+
+def test_under_dtfs_local_launcher_it_trains(local: tuple[Path, float]) -> None:
+    assert local[1] > 50  # one epoch on 2 ranks; chance is 10%
+
+
+def test_under_mpirun_it_trains_the_same_parameters(
+    tmp_path: Path, mpirun: list[str], local: tuple[Path, float]
+) -> None:
+    stdout = run([*mpirun, "-n", "2"], tmp_path, str(tmp_path / "params.pt"))
+    assert same_parameters(tmp_path / "params.pt", local[0]) and accuracy(stdout) == local[1]
+    assert not list(tmp_path.glob("dtf-horovod-*")), "the rendezvous file is left behind"
+
+
+def test_under_srun_it_trains_the_same_parameters(tmp_path: Path, slurm: str, local: tuple[Path, float]) -> None:
+    cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1"]
+    stdout = run(cmd, tmp_path, str(tmp_path / "params.pt"), {"SLURM_CONF": slurm})
+    assert same_parameters(tmp_path / "params.pt", local[0]) and accuracy(stdout) == local[1]

@@ -1,0 +1,62 @@
+"""trainer=function and dtf.run_function, in this process on one rank: what the function may
+return and how it is judged (the multi-rank behaviour: tests/dist/test_function_ranks.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtf.data.datasets import scalar_field
+from dtf.models.approximator import Approximator
+from tests.helpers.inprocess import compose_config, function_in_process
+
+SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=200"]
+
+
+def test_the_objective_may_name_any_key_the_function_returns_with_no_loss_or_metrics_set(tmp_path: Path) -> None:
+    accuracy = ["trainer.fn._target_=returned_values.accuracy", "trainer.objective=test/accuracy"]
+    compose_config(["trainer=function", *accuracy, "trainer.objective_mode=max"])  # refused before: no such metric
+    summary = function_in_process([*accuracy, "trainer.objective_mode=max", *SMALL], tmp_path / "run")
+    # the value itself, computed here from the exported model over the whole test set
+    model = Approximator()
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
+    x, y = scalar_field(num_points=2000, num_test=200)[1][:]
+    with torch.no_grad():
+        expected = ((model(x) - y).abs() < 1.0).float().mean().item()
+    assert summary["objective_name"] == "test/accuracy" and summary["objective"] == pytest.approx(expected)
+    assert summary["result"] == {"accuracy": summary["objective"]}
+
+
+def test_run_function_runs_may_name_a_returned_key_too() -> None:
+    from dtf.api import _function_config
+    from dtf.cli import freeze
+
+    cfg, _ = _function_config(["trainer.objective=test/accuracy", "trainer.objective_mode=max"], None)
+    assert freeze(cfg).trainer.objective == "test/accuracy"  # refused before: no such metric
+
+
+def test_a_mean_of_batch_means_is_averaged_as_returned_and_dtf_report_is_exact(tmp_path: Path) -> None:
+    # 200 test points in batches of 64: 64, 64, 64, 8. The mean of the four batch means weighs
+    # the last 8 points as much as 64; what dtf.report gets is the mean over the points.
+    overrides = ["trainer.fn._target_=returned_values.mean_of_batch_means", "+trainer.hparams={eval_batch: 64}"]
+    summary = function_in_process([*overrides, *SMALL], tmp_path / "run")
+    model = Approximator()
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
+    x, y = scalar_field(num_points=2000, num_test=200)[1][:]
+    with torch.no_grad():
+        per_point = (model(x) - y).pow(2).squeeze(1).double()
+    batch_means = [per_point[i : i + 64].mean().item() for i in range(0, 200, 64)]
+    assert summary["result"]["exact_loss"] == pytest.approx(per_point.mean().item(), rel=1e-6)
+    assert summary["result"]["loss"] == pytest.approx(sum(batch_means) / 4, rel=1e-6)
+    assert abs(summary["result"]["loss"] - summary["result"]["exact_loss"]) > 1e-3  # they differ here
+    assert summary["objective_name"] == "test/loss" and summary["objective"] == summary["result"]["loss"]
+
+
+def test_dtf_report_outside_a_training_function_is_one_line() -> None:
+    import dtf
+    from dtf.errors import UserError
+
+    with pytest.raises(UserError, match=r"dtf.report\(name, total, count\) is for a training function"):
+        dtf.report("loss", 1.0, 2)
