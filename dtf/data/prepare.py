@@ -37,6 +37,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
+from dtf import sideenv
 from dtf.data.loader import split_datasets
 from dtf.data.parquet.source import SHAPES_KEY
 from dtf.errors import UserError
@@ -105,7 +106,6 @@ WRITER = Path(__file__).with_name("petastorm_writer.py")
 
 def petastorm_python() -> Path:
     """The petastorm side environment's python; one line saying how to make it if it is not there."""
-    from dtf import sideenv
     from dtf.machine import require_java
 
     require_java("--format petastorm (written with Spark)")
@@ -122,8 +122,6 @@ def petastorm_python() -> Path:
 def write_with_petastorm(python: Path, jobs: list[dict[str, Any]], spark_master: str, scratch: Path) -> None:
     """Each job's arrays (an .npz) written as a Petastorm dataset by petastorm_writer.py in the side
     environment, all in one Spark session."""
-    from dtf import sideenv
-
     manifest = scratch / "jobs.json"
     manifest.write_text(json.dumps({"spark_master": spark_master, "datasets": jobs}))
     proc = subprocess.run(
