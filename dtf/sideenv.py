@@ -193,9 +193,9 @@ def _make_layered(venv: Path, packages: list[str], s: Spec) -> None:
 
 def _make_standalone(venv: Path, packages: list[str], s: Spec, python: str | None) -> str:
     base = _interpreter(s, python)
-    _run([base, "-m", "venv", str(venv)], "python -m venv")
-    _pip([str(python_of(venv)), "-m", "pip"], packages)
-    _check(python_of(venv), packages, s)
+    _run([base, "-m", "venv", str(venv)], "python -m venv", environment())
+    _pip([str(python_of(venv)), "-m", "pip"], packages, environment())
+    _check(python_of(venv), packages, s, environment())
     return base
 
 
@@ -229,12 +229,12 @@ def _interpreter(s: Spec, chosen: str | None) -> str:
     )
 
 
-def _pip(pip: list[str], args: list[str]) -> None:
+def _pip(pip: list[str], args: list[str], env: dict[str, str] | None = None) -> None:
     cmd = [*pip, "install", "--no-input", "--quiet", "--disable-pip-version-check", *args]
-    _run(cmd, "pip install " + " ".join(a for a in args if not a.startswith("-")))
+    _run(cmd, "pip install " + " ".join(a for a in args if not a.startswith("-")), env)
 
 
-def _check(python: Path, packages: list[str], s: Spec) -> None:
+def _check(python: Path, packages: list[str], s: Spec, env: dict[str, str] | None = None) -> None:
     """Each pin installed at its version, and what matters imports."""
     names = [p.split("==")[0].split("[")[0] for p in packages if "==" in p]
     code = (
@@ -245,7 +245,7 @@ def _check(python: Path, packages: list[str], s: Spec) -> None:
         "    got = m.version(name.split('[')[0])\n"
         "    assert got == version, f'{name} {got}, not {version}'\n"
     )
-    _run([str(python), "-c", code], f"the side environment's imports ({', '.join(names)})")
+    _run([str(python), "-c", code], f"the side environment's imports ({', '.join(names)})", env)
 
 
 def _purelib(python: Path) -> str:
@@ -257,8 +257,8 @@ def _purelib(python: Path) -> str:
     ).stdout.strip()
 
 
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise SideEnvError(f"{what} failed (exit {proc.returncode}):\n{tail}")
