@@ -1,4 +1,4 @@
-"""Write dtf's built-in data sets to disk, so every recipe can also run on Parquet (`data=petastorm`).
+"""Write dtf's built-in data sets to disk, so every recipe can also run on Parquet (`data=parquet`).
 
     python -m dtf.data.prepare scalar_field digits fake_images --out data [--format both] [--rows-per-group 512]
 
@@ -7,10 +7,12 @@ For each data set, its train and test splits exactly as the in-memory path build
 and `label`:
 
 - parquet:   <out>/<name>/parquet/{train,test}/part-00000.parquet, plain Parquet written by
-             pyarrow (read by make_batch_reader); array columns are list<float> with their
-             per-row shape in the file's metadata.
-- petastorm: <out>/<name>/petastorm/{train,test}, a Petastorm dataset with a Unischema
-             (read by make_reader), written through Spark and materialize_dataset.
+             pyarrow; array columns are list<float> with their per-row shape in the file's
+             metadata.
+- petastorm: <out>/<name>/petastorm/{train,test}, a Petastorm dataset with a Unischema (arrays
+             NdarrayCodec-encoded), written through Spark and materialize_dataset by Petastorm
+             itself, in the environment of its own that `python -m dtf.sideenv petastorm` makes
+             (dtf/data/petastorm_writer.py runs there).
 
 Row groups hold --rows-per-group rows (Spark splits the rows evenly over its files, so
 there a row group holds about that many).
@@ -22,9 +24,10 @@ import argparse
 import importlib.resources
 import json
 import math
-import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
+from dtf import sideenv
 from dtf.data.loader import split_datasets
 from dtf.data.parquet.source import SHAPES_KEY
 from dtf.errors import UserError
@@ -97,65 +101,39 @@ def write_parquet(features: np.ndarray, labels: np.ndarray, directory: Path, row
     return path
 
 
-def spark_session(master: str) -> Any:
-    from pyspark.sql import SparkSession
+WRITER = Path(__file__).with_name("petastorm_writer.py")
 
+
+def petastorm_python() -> Path:
+    """The petastorm side environment's python; one line saying how to make it if it is not there."""
     from dtf.machine import require_java
 
     require_java("--format petastorm (written with Spark)")
-    # Spark's Python workers must be this interpreter (this venv), not whatever `python` is on PATH.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # this machine only; no warning about the hostname
-    spark = (
-        SparkSession.builder.master(master)
-        .appName("dtf.data.prepare")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
+    python = sideenv.find("petastorm")
+    if python is None:
+        raise UserError(
+            "--format petastorm writes with Petastorm, which needs an environment of its own (pyarrow 14, "
+            f"numpy 1.x; not made yet at {sideenv.default_dir('petastorm')}): make it once with "
+            "`python -m dtf.sideenv petastorm`, then run this again"
+        )
+    return python
+
+
+def write_with_petastorm(python: Path, jobs: list[dict[str, Any]], spark_master: str, scratch: Path) -> None:
+    """Each job's arrays (an .npz) written as a Petastorm dataset by petastorm_writer.py in the side
+    environment, all in one Spark session."""
+    manifest = scratch / "jobs.json"
+    manifest.write_text(json.dumps({"spark_master": spark_master, "datasets": jobs}))
+    proc = subprocess.run(
+        [str(python), str(WRITER), str(manifest)], capture_output=True, text=True, env=sideenv.environment()
     )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise WriterFailed(f"the Petastorm writer ({python} {WRITER}) failed (exit status {proc.returncode}):\n{tail}")
 
 
-def write_petastorm(
-    spark: Any, features: np.ndarray, labels: np.ndarray, directory: Path, rows_per_group: int, name: str
-) -> None:
-    from petastorm.codecs import NdarrayCodec, ScalarCodec
-    from petastorm.etl.dataset_metadata import materialize_dataset
-    from petastorm.unischema import Unischema, UnischemaField, dict_to_spark_row
-    from pyspark.sql.types import DoubleType, FloatType, IntegerType, LongType
-
-    spark_types = {
-        np.dtype(np.float32): FloatType(),
-        np.dtype(np.float64): DoubleType(),
-        np.dtype(np.int64): LongType(),
-        np.dtype(np.int32): IntegerType(),
-    }
-
-    def field(column: str, values: np.ndarray) -> Any:
-        if values.ndim == 1:
-            return UnischemaField(column, values.dtype.type, (), ScalarCodec(spark_types[values.dtype]), False)
-        return UnischemaField(column, values.dtype.type, tuple(values.shape[1:]), NdarrayCodec(), False)
-
-    schema = Unischema(f"dtf_{name}", [field("features", features), field("label", labels)])
-    url = "file://" + str(directory.resolve())
-    rows = [
-        dict_to_spark_row(schema, {"features": x if x.ndim else x.item(), "label": y if y.ndim else y.item()})
-        for x, y in zip(features, labels, strict=True)
-    ]
-    # One Spark partition per row group: each writes its own file of about rows_per_group rows,
-    # and a block size of twice the file's raw size keeps it one row group (a block size far
-    # beyond that only makes Parquet's memory manager shrink it, with warnings).
-    num_files = max(1, math.ceil(len(rows) / rows_per_group))
-    raw_bytes_per_row = features[0].nbytes + labels[0].nbytes + 256  # + NdarrayCodec's header
-    block_mb = max(1, math.ceil(2 * raw_bytes_per_row * math.ceil(len(rows) / num_files) / 2**20))
-    with materialize_dataset(spark, url, schema, row_group_size_mb=block_mb):
-        frame = spark.createDataFrame(spark.sparkContext.parallelize(rows, num_files), schema.as_spark_schema())
-        frame.write.mode("overwrite").parquet(url)
+class WriterFailed(RuntimeError):
+    """Petastorm or Spark failed in the side environment (not the user's input: exit status 1)."""
 
 
 def experiment_for(dataset: str) -> str | None:
@@ -188,31 +166,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rows_per_group < 1:
         parser.error("--rows-per-group must be 1 or more")
     formats = FORMATS if args.format == "both" else (args.format,)
-    spark = None  # started on first use: Spark's JVM takes seconds
     try:
-        for name in args.datasets:
-            for split, (x, y) in build_splits(name, args.set).items():
-                for fmt in formats:
-                    directory = args.out / name / fmt / split
-                    if fmt == "parquet":
-                        write_parquet(x, y, directory, args.rows_per_group)
-                    else:
-                        spark = spark or spark_session(args.spark_master)
-                        write_petastorm(spark, x, y, directory, args.rows_per_group, name)
-                    print(f"{directory}: {len(x)} rows, features {list(x.shape[1:])} {x.dtype}, label {y.dtype}")
-            experiment = experiment_for(name)
-            for fmt in formats:
-                base = args.out / name / fmt
-                print(
-                    f"train on it: python -m dtf {f'+experiment={experiment} ' if experiment else ''}"
-                    f"data=petastorm data.path={base / 'train'} data.test_path={base / 'test'}"
-                )
+        python = petastorm_python() if "petastorm" in formats else None
+        with tempfile.TemporaryDirectory(prefix="dtf-prepare-") as scratch:
+            jobs: list[dict[str, Any]] = []  # the Petastorm ones: written together, in one Spark session
+            written: list[str] = []
+            for name in args.datasets:
+                for split, (x, y) in build_splits(name, args.set).items():
+                    for fmt in formats:
+                        directory = args.out / name / fmt / split
+                        line = f"{directory}: {len(x)} rows, features {list(x.shape[1:])} {x.dtype}, label {y.dtype}"
+                        if fmt == "parquet":
+                            write_parquet(x, y, directory, args.rows_per_group)
+                            print(line)
+                            continue
+                        arrays = Path(scratch) / f"{len(jobs)}.npz"
+                        np.savez(arrays, features=x, label=y)
+                        where = {"arrays": str(arrays), "directory": str(directory.resolve())}
+                        jobs.append({**where, "name": name, "rows_per_group": args.rows_per_group})
+                        written.append(line)
+            if jobs:
+                assert python is not None
+                write_with_petastorm(python, jobs, args.spark_master, Path(scratch))
+                print(*written, sep="\n")
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        if spark is not None:
-            spark.stop()
+    except WriterFailed as e:
+        print(f"dtf: error: {e}", file=sys.stderr)
+        return 1
+    for name in args.datasets:
+        experiment = experiment_for(name)
+        for fmt in formats:
+            base = args.out / name / fmt
+            print(
+                f"train on it: python -m dtf {f'+experiment={experiment} ' if experiment else ''}"
+                f"data=parquet data.path={base / 'train'} data.test_path={base / 'test'}"
+            )
     return 0
 
 

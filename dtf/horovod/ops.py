@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtf.dist.compat import all_gather_single
 from dtf.horovod import world as world_env
 from dtf.horovod.compression import Compression, Compressor
 
@@ -553,7 +554,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     padded = torch.zeros((longest, *tensor.shape[1:]), dtype=wire_dtype, device=tensor.device)
     padded[: tensor.shape[0]] = tensor
     out = torch.empty((size() * longest, *tensor.shape[1:]), dtype=wire_dtype, device=tensor.device)
-    work = dist.all_gather_single(out, padded, async_op=True)
+    work = all_gather_single(out, padded, async_op=True)
 
     def finish() -> torch.Tensor:
         parts = [out[r * longest : r * longest + n] for r, n in enumerate(firsts)]

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
+from dtf.dist.compat import DDP_SYNC_BUFFERS
 from dtf.dist.env import DistEnv
 from dtf.strategy.base import OptimizerFactory, Strategy, materialise_whole
 
@@ -24,7 +25,7 @@ class DDPStrategy(Strategy):
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             find_unused_parameters=self.cfg.find_unused_parameters,
-            forward_sync_buffers=self.cfg.forward_sync_buffers,
+            **{DDP_SYNC_BUFFERS: self.cfg.forward_sync_buffers},
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
             **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.optim import Optimizer
 
+from dtf.dist.compat import all_gather_single
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import (
@@ -286,7 +287,7 @@ class ShardedOptimizer(Optimizer):
             for piece in self.pieces:
                 piece.tensor.grad = None
         for buffer in self._flat:
-            dist.all_gather_single(buffer.data, buffer.mine, group=self.process_group)
+            all_gather_single(buffer.data, buffer.mine, group=self.process_group)
         return loss
 
     def _materialise_state(self) -> None:

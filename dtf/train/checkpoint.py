@@ -88,6 +88,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     running code (the same promise as torch.load's weights_only)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "pathlib._local":  # where Python 3.13 defines (and so pickles) pathlib's classes
+            module = "pathlib"
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if "." in name or not ((module, name) in _METADATA_CLASSES or dtype):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")

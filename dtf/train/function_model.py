@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dtf import strategy as strategies
+from dtf.dist.compat import fsdp_param_groups
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.strategy.base import local_state_bytes, materialise_whole, no_optimizer, parameter_and_grad_bytes
@@ -150,8 +151,7 @@ def _eval_without_collectives(model: nn.Module) -> None:
 
 def _reshards_after_forward(module: nn.Module) -> bool:
     """FSDP2's current reshard_after_forward of the module (the root's changes at its first forward)."""
-    groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
-    return any(g.post_forward_mesh_info is not None for g in groups)
+    return any(g.post_forward_mesh_info is not None for g in fsdp_param_groups(module))
 
 
 class StepCounter:

@@ -2,13 +2,12 @@
 
 hydra-optuna-sweeper 1.3.0 needs optuna 2.10 and SQLAlchemy<2, which cannot share dtf's venv
 (optuna 5, SQLAlchemy 2): these tests run dtf with the python of a side venv made once
-(tests/helpers/side_venv.py) that sees the main venv for everything else."""
+(dtf.sideenv: hydra-optuna) that sees the main venv for everything else."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -32,20 +31,7 @@ SMALL = [
 @pytest.fixture(scope="module")
 def side_python() -> Path:
     """The side venv's python; made on first use (about 10 s with the package index at hand)."""
-    try:
-        return side_venv.ensure()
-    except side_venv.SideVenvError as e:
-        # As the cluster tests: a green `make test` proves Hydra's Optuna sweeper works, so a side
-        # venv that cannot be made fails; only a user who says so skips these (no package index here).
-        if os.environ.get("DTF_SKIP_SIDE_VENV_TESTS") == "1":
-            pytest.skip(
-                f"the side venv for Hydra's Optuna sweeper could not be made ({e}); "
-                "skipped because DTF_SKIP_SIDE_VENV_TESTS=1 (unset it to run them)"
-            )
-        pytest.fail(
-            f"the side venv for Hydra's Optuna sweeper could not be made: {e} "
-            "(set DTF_SKIP_SIDE_VENV_TESTS=1 to skip these tests on a machine without a package index)"
-        )
+    return side_venv.side_python("hydra-optuna")
 
 
 def optuna_sweep(python: Path, sweep_dir: Path, *args: str, timeout: float = 400) -> DtfRun:

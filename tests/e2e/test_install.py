@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import side_venv
+from dtf import sideenv
 
 REPO = Path(__file__).resolve().parents[2]
 # What a source distribution of dtf holds: the build needs nothing else.
@@ -28,8 +28,8 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in SOURCES:
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, src / name)
     venv = tmp / "venv"
-    subprocess.run([side_venv.base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = side_venv.python_of(venv)
+    subprocess.run([sideenv.base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = sideenv.python_of(venv)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -57,7 +57,7 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         text=True,
     )
-    deps = side_venv.main_site_packages()  # plain paths: their .pth files (the editable dtf) are not read
+    deps = sideenv.main_site_packages()  # plain paths: their .pth files (the editable dtf) are not read
     (Path(site) / "_test_venv_packages.pth").write_text("".join(f"{p}\n" for p in deps))
     return python
 
