@@ -308,10 +308,10 @@ for line in sys.stdin:
 
 
 def image_case(args: argparse.Namespace) -> None:
-    from dtf.sideenv import ensure
+    from dtf import sideenv
 
-    side = str(ensure("petastorm"))
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=side)
+    side = str(sideenv.ensure("petastorm"))
+    env = dict(sideenv.environment(), SPARK_LOCAL_IP="127.0.0.1")
     with tempfile.TemporaryDirectory() as tmp:
         url = (Path(tmp) / "images").as_uri()
         write = [side, "-c", _WRITE_PNG_DATASET, url, str(args.rows), str(args.image_size), str(args.rows_per_group)]
@@ -329,7 +329,9 @@ def image_case(args: argparse.Namespace) -> None:
             )
             dtf_data[pool], _ = parquet.build(OmegaConf.structured(cfg), ENV, seed=0)
             cmd = [side, "-c", _PETASTORM_READER, url, pool, str(args.workers), str(args.batch_size)]
-            petastorm[pool] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp)
+            petastorm[pool] = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp, env=env
+            )
         names = [f"{kind}/{pool}" for pool in ("thread", "process") for kind in ("petastorm", "dtf")]
         results: dict[str, list[float]] = {name: [] for name in names}
         try:

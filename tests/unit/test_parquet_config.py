@@ -92,7 +92,7 @@ def test_prepare_writes_parquet_that_trains_like_the_in_memory_data(
     code = prepare.main(["digits", "--out", str(tmp_path), "--rows-per-group", "300", "--set", "test_fraction=0.5"])
     assert code == 0
     out = capsys.readouterr().out
-    assert f"data=petastorm data.path={tmp_path}/digits/parquet/train" in out
+    assert f"data=parquet data.path={tmp_path}/digits/parquet/train" in out
     # the printed command trains as it is (the digits need the CNN experiment that reads them)
     command = next(line for line in out.splitlines() if line.startswith("train on it: ")).removeprefix("train on it: ")
     import shlex
@@ -136,7 +136,10 @@ def test_prepare_refuses_an_unknown_builder_parameter(tmp_path: Path, capsys: py
 
 @pytest.mark.slow
 def test_prepare_writes_a_petastorm_dataset_that_make_reader_reads_like_the_parquet_copy(tmp_path: Path) -> None:
-    # Spark (local[2]) writes it through materialize_dataset, as Petastorm does.
+    # Spark (local[2]) writes it through materialize_dataset, in Petastorm's own environment.
+    from tests.helpers.side_venv import side_python
+
+    side_python("petastorm")
     args = ["scalar_field", "--out", str(tmp_path), "--format", "both", "--rows-per-group", "250"]
     assert prepare.main([*args, "--set", "num_points=1200", "--set", "num_test=200"]) == 0
     batches = {}

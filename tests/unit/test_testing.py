@@ -42,7 +42,11 @@ def test_dtf_compose_is_hydras_composed_config_validated(dtf_compose) -> None:  
 @pytest.mark.parametrize(
     ("overrides", "start"),
     [
-        (["trainer.max_epoch=3"], "Could not override 'trainer.max_epoch'"),  # a misspelled key
+        # a misspelled key
+        (
+            ["trainer.max_epoch=3"],
+            "trainer.max_epoch is not a setting of dtf's trainer (did you mean trainer.max_epochs?)",
+        ),
         (["strategy=zeroo"], "In 'config': Could not find 'strategy/zeroo'"),  # a misspelled option
         (["optimizer.lr=-1"], "optimizer.lr=-1 is invalid: give a positive learning rate"),  # dtf's checks
     ],

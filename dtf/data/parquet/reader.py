@@ -48,7 +48,9 @@ def describe_read_error(error: BaseException, path: str, row_group: int, column:
     what = f"decoding field {column!r} of {path}" if column else f"reading {path} (row group {row_group})"
     line = f"{what} failed ({first_line(error)})"
     if isinstance(error, ImportError) and "cv2" in str(error):
-        line += f": Petastorm's png/jpeg codec needs OpenCV in every process that reads: {IMAGE_FIX}"
+        line += (
+            f": png/jpeg images (Petastorm's CompressedImageCodec) need OpenCV in every process that reads: {IMAGE_FIX}"
+        )
     return line
 
 

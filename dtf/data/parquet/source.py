@@ -14,11 +14,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from dtf.config.schema import ParquetDataConfig
 from dtf.data.parquet.petastorm_format import UNISCHEMA_KEY, SchemaRefused, Unischema, read_unischema
@@ -390,6 +391,7 @@ def list_dataset(fs: Any, root: str) -> Any:
     """The files of a Parquet file or directory, with their Hive partitions, as a pyarrow Dataset
     made without opening a file (a damaged one is named when its footer is read). Names starting
     with "." or "_" are not data (Spark's _SUCCESS and .crc files, _common_metadata)."""
+    import pyarrow as pa
     import pyarrow.dataset as ds
     import pyarrow.fs as pafs
 
@@ -398,22 +400,44 @@ def list_dataset(fs: Any, root: str) -> Any:
         raise FileNotFoundError(f"{root} does not exist")
     if kind == pafs.FileType.File:
         factory = ds.FileSystemDatasetFactory(fs, [root], ds.ParquetFileFormat(), ds.FileSystemFactoryOptions())
-    else:
-        options = ds.FileSystemFactoryOptions(partition_base_dir=root, selector_ignore_prefixes=[".", "_"])
-        options.partitioning_factory = ds.HivePartitioning.discover()
-        selector = pafs.FileSelector(root, recursive=True)
-        factory = ds.FileSystemDatasetFactory(fs, selector, ds.ParquetFileFormat(), options)
-    return factory.finish(schema=factory.inspect(fragments=0))  # the partition columns only
+        return factory.finish(schema=pa.schema([]))
+    options = ds.FileSystemFactoryOptions(partition_base_dir=root, selector_ignore_prefixes=[".", "_"])
+    selector = pafs.FileSelector(root, recursive=True)
+    listed = ds.FileSystemDatasetFactory(fs, selector, ds.ParquetFileFormat(), options).finish(schema=pa.schema([]))
+    paths = [f.path for f in listed.get_fragments()]
+    schema = hive_schema(paths, root)
+    if not len(schema):
+        return listed
+    options.partitioning = ds.HivePartitioning(schema)
+    return ds.FileSystemDatasetFactory(fs, paths, ds.ParquetFileFormat(), options).finish(schema=schema)
+
+
+def hive_schema(paths: list[str], root: str) -> Any:
+    """The Hive partition columns of files under root (root/split=train/bucket=0/...): int64 where
+    every value is an integer, else string. From the paths alone: pyarrow's own discovery (a
+    dataset factory's inspect) reads every file's schema before pyarrow 19."""
+    import pyarrow as pa
+
+    values: dict[str, list[str]] = {}
+    base = root.rstrip("/") + "/"
+    for path in paths:
+        for segment in path[len(base) :].split("/")[:-1] if path.startswith(base) else []:
+            if "=" in segment:
+                key, value = segment.split("=", 1)
+                values.setdefault(key, []).append(unquote(value))
+    return pa.schema(
+        [(k, pa.int64() if all(_INTEGER.fullmatch(v) for v in vs) else pa.string()) for k, vs in values.items()]
+    )
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def _partition_types(dataset: Any) -> dict[str, str]:
-    """Hive partition columns (root/split=train/...): int64 where every value is an integer, else string."""
+    """Hive partition columns (root/split=train/...) as the listing typed them."""
     import pyarrow as pa
 
-    partitioning = dataset.partitioning
-    if partitioning is None:
-        return {}
-    return {f.name: "int64" if pa.types.is_integer(f.type) else "string" for f in partitioning.schema}
+    return {f.name: "int64" if pa.types.is_integer(f.type) else "string" for f in dataset.schema}
 
 
 def _fragments(
