@@ -5,7 +5,6 @@ sets are written once per test session (tests/helpers/user_datasets.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -305,9 +304,9 @@ def test_a_decoding_error_in_a_reader_worker_names_the_field_the_file_and_the_ca
     # ... and gone where the workers decode: the error users saw, buried in a chain of tracebacks.
     if pool == "thread":
         monkeypatch.setitem(sys.modules, "cv2", None)  # `import cv2` fails, as in a Python without OpenCV
-    else:  # worker processes start a fresh Python: give them a cv2 that fails to import
+    else:  # worker processes start a fresh Python (on this one's sys.path): give them a cv2 that fails to import
         (tmp_path / "cv2.py").write_text("raise ImportError('cv2 blocked by the test')\n")
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        monkeypatch.syspath_prepend(str(tmp_path))  # this process has imported the real one already
     data.set_epoch(0)
     with pytest.raises(UserError) as err:
         next(iter(data))
