@@ -2,7 +2,7 @@
 against another checkout per rank, and, for images, against Petastorm's own reader.
 
     .venv/bin/python benchmarks/data.py [--data scalar_field] [--rows 200000] [--rows-per-group 1024]
-                                        [--batch-size 64] [--workers 2] [--repeats 7] [--epochs 3]
+                                        [--batch-size 64] [--workers N] [--repeats 7] [--epochs 3]
     .venv/bin/python benchmarks/data.py --world-size 2 --baseline DIR [--baseline-python PY] [--runs 5]
     .venv/bin/python benchmarks/data.py --images [--rows 4096] [--image-size 64] [--rows-per-group 256]
 
@@ -14,7 +14,7 @@ process, one rank's worth (rank 0 of 1), per repeat:
 - floor: one thread, no framework: each row group in a seeded random order is read with
   pyarrow, its columns become numpy arrays, its rows are permuted, and torch tensors are made of
   every --batch-size slice;
-- dtf: `data=parquet`'s training data with --workers reader workers (the default 2), reading the
+- dtf: `data=parquet`'s training data with --workers reader workers (default: auto), reading the
   next epoch ahead as the trainer asks;
 - memory: the in-memory path (DataLoader + DistributedSampler) on the same rows, fetched per
   sample (torch's default) and by batch (`data.fetch`, dtf's default here).
@@ -122,7 +122,7 @@ def floor_case(args: argparse.Namespace) -> None:
         path = Path(tmp) / "train"
         x, y = write_rows(args, path)
         files = sorted(path.glob("*.parquet"))
-        cfg = ParquetDataConfig(path=str(path), batch_size=args.batch_size, workers_count=args.workers)
+        cfg = ParquetDataConfig(path=str(path), batch_size=args.batch_size, workers_count=args.workers or "auto")
         dtf_data, _ = parquet.build(OmegaConf.structured(cfg), ENV, seed=0)
         # The in-memory path's training data over the very same rows, fetched as data.fetch says:
         # per sample (torch's default) and by batch (dtf's default for a TensorDataset).
@@ -151,7 +151,7 @@ def floor_case(args: argparse.Namespace) -> None:
     ratios = [d / f for d, f in zip(results["dtf"], results["floor"], strict=True)]
     print(
         f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, batch "
-        f"{args.batch_size}, rank 0 of 1, {args.workers} reader workers, {args.epochs} epochs per repeat, "
+        f"{args.batch_size}, rank 0 of 1, {args.workers or 'auto'} reader workers, {args.epochs} epochs per repeat, "
         f"median of {args.repeats} alternating repeats"
     )
     for name, value in med.items():
@@ -167,7 +167,7 @@ def floor_case(args: argparse.Namespace) -> None:
 # A child process of --baseline: the training data of rank `rank` of `world` with the dtf it imports
 # (PYTHONPATH). Per line "<first epoch> <epochs>" read from stdin, it reads epochs back to back as a
 # training run does, the first one untimed (it warms what the pause before it cooled), and prints
-# "<rows> <seconds>" of the others. Where the checkout reads the next epoch ahead (set_epoch's
+# "result <rows> <seconds>" of the others. Where the checkout reads the next epoch ahead (set_epoch's
 # read_ahead), it is asked to as the trainer asks: for every epoch but the last (unless read_ahead
 # is 0). Else only API that all checkouts share (a checkout before data=parquet names its config
 # PetastormDataConfig).
@@ -182,7 +182,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 torch.set_num_threads(1)
 path, rank, world, batch, workers, read_ahead = sys.argv[1], *map(int, sys.argv[2:7])
 config = getattr(schema, "ParquetDataConfig", None) or schema.PetastormDataConfig
-cfg = OmegaConf.structured(config(path=path, batch_size=batch, workers_count=workers))
+cfg = OmegaConf.structured(config(path=path, batch_size=batch, **({"workers_count": workers} if workers else {})))
 data, _ = parquet.build(cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu")), seed=0)
 read_ahead = read_ahead and "read_ahead" in inspect.signature(data.set_epoch).parameters
 for line in sys.stdin:
@@ -194,8 +194,19 @@ for line in sys.stdin:
         last = epoch == first + count
         data.set_epoch(epoch, **({"read_ahead": not last} if read_ahead else {}))
         rows += sum(len(labels) for _, labels in data)
-    print(rows, time.perf_counter() - t0, flush=True)
+    print("result", rows, time.perf_counter() - t0, flush=True)  # Petastorm prints lines of its own
 """
+
+
+def _result(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """A child's next "result <rows> <seconds>" line (Petastorm prints lines of its own)."""
+    assert proc.stdout is not None
+    line = ""
+    while not line.startswith("result "):
+        line = proc.stdout.readline()
+        assert line, "the child process ended (its error is above)"
+    rows, seconds = line.split()[1:]
+    return rows, seconds
 
 
 def per_rank_run(args: argparse.Namespace, checkouts: dict[str, tuple[str, str]], path: Path) -> dict[Any, float]:
@@ -205,7 +216,7 @@ def per_rank_run(args: argparse.Namespace, checkouts: dict[str, tuple[str, str]]
         env = dict(os.environ, PYTHONPATH=root)
         for rank in range(args.world_size):
             cmd = [python, "-c", _RANK_READER, str(path), str(rank), str(args.world_size)]
-            cmd += [str(args.batch_size), str(args.workers), str(int(not args.no_read_ahead))]
+            cmd += [str(args.batch_size), str(args.workers or 0), str(int(not args.no_read_ahead))]
             # cwd: not a checkout, whose dtf would come before PYTHONPATH's
             procs[(name, rank)] = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=path.parent
@@ -219,7 +230,7 @@ def per_rank_run(args: argparse.Namespace, checkouts: dict[str, tuple[str, str]]
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write(f"{i * (args.epochs + 1)} {args.epochs}\n")
                 proc.stdin.flush()
-                rows, seconds = proc.stdout.readline().split()
+                rows, seconds = _result(proc)
                 if i:
                     results[key].append(int(rows) / float(seconds))
     finally:
@@ -240,9 +251,9 @@ def per_rank_case(args: argparse.Namespace) -> None:
         x, _ = write_rows(args, path)
         print(
             f"{args.data}: {args.rows} rows of {list(x.shape[1:])}, {args.rows_per_group} rows per row group, "
-            f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, {args.workers} "
-            f"reader workers, {args.epochs} epochs back to back per repeat, medians of {args.repeats} alternating "
-            f"repeats, {args.runs} runs of fresh processes; this = {checkouts['this']}, "
+            f"batch {args.batch_size} per rank, rank r of {args.world_size} read one at a time, "
+            f"{args.workers or 'default'} reader workers, {args.epochs} epochs back to back per repeat, medians of "
+            f"{args.repeats} alternating repeats, {args.runs} runs of fresh processes; this = {checkouts['this']}, "
             f"baseline = {checkouts['baseline'][0]} ({checkouts['baseline'][1]})"
         )
         ratios = []
@@ -287,14 +298,16 @@ spark.stop()
 """
 
 # In Petastorm's own environment: per line "<first epoch> <epochs>", read that many epochs with
-# petastorm.pytorch.DataLoader(make_reader(...)) and print "<rows> <seconds>".
+# petastorm.pytorch.DataLoader(make_reader(...)) and print "result <rows> <seconds>".
 _PETASTORM_READER = """
 import logging, sys, time, warnings
 logging.getLogger("petastorm").setLevel(logging.WARNING)
 warnings.filterwarnings("ignore")
+url, pool, workers, batch, torch_site = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+# Petastorm's environment has no torch: the main one's, found last (this environment's numpy and pyarrow first).
+sys.path.append(torch_site)
 from petastorm import make_reader
 from petastorm.pytorch import DataLoader
-url, pool, workers, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 for line in sys.stdin:
     first, count = map(int, line.split())
     t0, rows = time.perf_counter(), 0
@@ -303,7 +316,7 @@ for line in sys.stdin:
                          num_epochs=1, shuffle_row_groups=True, seed=epoch) as reader:
             for b in DataLoader(reader, batch_size=batch):
                 rows += len(b["label"])
-    print(rows, time.perf_counter() - t0, flush=True)
+    print("result", rows, time.perf_counter() - t0, flush=True)  # Petastorm prints lines of its own
 """
 
 
@@ -311,8 +324,9 @@ def image_case(args: argparse.Namespace) -> None:
     from dtf import sideenv
 
     side = str(sideenv.ensure("petastorm"))
-    env = dict(sideenv.environment(), SPARK_LOCAL_IP="127.0.0.1")
-    with tempfile.TemporaryDirectory() as tmp:
+    # Spark's Python workers run the side environment's interpreter too (they unpickle Petastorm's rows).
+    env = dict(sideenv.environment(), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=side)
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "petastorm.log", "w+") as log:
         url = (Path(tmp) / "images").as_uri()
         write = [side, "-c", _WRITE_PNG_DATASET, url, str(args.rows), str(args.image_size), str(args.rows_per_group)]
         subprocess.run(write, check=True, capture_output=True, env=env, cwd=tmp)
@@ -328,9 +342,11 @@ def image_case(args: argparse.Namespace) -> None:
                 shuffle_rows=False,  # as Petastorm's loader (whose make_reader would shuffle within a row group)
             )
             dtf_data[pool], _ = parquet.build(OmegaConf.structured(cfg), ENV, seed=0)
-            cmd = [side, "-c", _PETASTORM_READER, url, pool, str(args.workers), str(args.batch_size)]
+            torch_site = str(Path(torch.__file__).parent.parent)
+            cmd = [side, "-c", _PETASTORM_READER, url, pool, str(args.workers), str(args.batch_size), torch_site]
+            # Petastorm's deprecation warnings (hundreds a run) to a file, shown if its reader fails.
             petastorm[pool] = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp, env=env
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=tmp, env=env
             )
         names = [f"{kind}/{pool}" for pool in ("thread", "process") for kind in ("petastorm", "dtf")]
         results: dict[str, list[float]] = {name: [] for name in names}
@@ -342,7 +358,7 @@ def image_case(args: argparse.Namespace) -> None:
                     assert proc.stdin is not None and proc.stdout is not None
                     proc.stdin.write(f"{first} {args.epochs}\n")
                     proc.stdin.flush()
-                    rows, seconds = proc.stdout.readline().split()
+                    rows, seconds = _result(proc)
                     measured = {
                         f"petastorm/{pool}": int(rows) / float(seconds),
                         f"dtf/{pool}": rate(
@@ -352,6 +368,10 @@ def image_case(args: argparse.Namespace) -> None:
                     if i:
                         for name, value in measured.items():
                             results[name].append(value)
+        except AssertionError:
+            log.seek(0)
+            print(log.read()[-5000:], file=sys.stderr)
+            raise
         finally:
             for proc in petastorm.values():
                 if proc.stdin is not None:
@@ -377,7 +397,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=None, help="default: 200000 (scalar_field), 16384, with --images 4096")
     p.add_argument("--rows-per-group", type=int, default=None, help="default: 1024, with --images 256")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2, help="reader workers (every pipeline that has them)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="reader workers (default: dtf's auto; with --images 2 for both)"
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--epochs", type=int, default=3, help="epochs read back to back per repeat")
     p.add_argument("--world-size", type=int, default=1, help="with --baseline: ranks whose epochs are read")
@@ -388,6 +410,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.images:
+        args.workers = args.workers or 2  # what dtf's auto takes for PNG images: Petastorm gets as many
         args.rows = args.rows or 4096
         args.rows_per_group = args.rows_per_group or 256
         image_case(args)

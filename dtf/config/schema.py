@@ -369,8 +369,10 @@ class ParquetDataConfig(BaseDataConfig):
     reader: PetastormReader = PetastormReader.auto
     # thread: Arrow decodes without the GIL; process: where decoding is Python work (images).
     reader_pool_type: ReaderPool = ReaderPool.thread
-    # Row groups read in parallel (per rank).
-    workers_count: int = 2
+    # Row groups read in parallel (per rank). auto: 2 where a Petastorm codec decodes the columns read
+    # (images, arrays: decoding that releases the GIL), else 1 (Arrow alone: a second thread only
+    # contends for the GIL with training; benchmarks/data.py measured both).
+    workers_count: Any = "auto"
     # Row groups read ahead of training (per rank).
     results_queue_size: int = 8
     # fsspec options for remote URLs (endpoint, credentials, ...).
@@ -391,7 +393,13 @@ class ParquetDataConfig(BaseDataConfig):
                 f"data.val_fraction={self.val_fraction} and data.val_path/data.val_filters both name a validation "
                 "split: keep one (data.val_fraction=0, or data.val_path=null data.val_filters=null)"
             )
-        require(self.workers_count >= 1, "data.workers_count", self.workers_count, "use 1 or more reader workers")
+        w = self.workers_count
+        require(
+            w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1),
+            "data.workers_count",
+            w,
+            "use auto or 1 or more reader workers",
+        )
         require(self.results_queue_size >= 1, "data.results_queue_size", self.results_queue_size, "use 1 or more")
         c = self.canonical_partitions
         require(
