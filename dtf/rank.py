@@ -10,6 +10,7 @@ names rank_main, does not pay for importing it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -38,7 +39,9 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
     payload: dtf.run_function's function and objects."""
     try:
         return run_rank(cfg, run_dir, payload)
-    except Exception as e:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         from dtf.dist.env import attempt_number, rank_from_env
 
         failure = failures.record(run_dir, rank_from_env(), attempt_number(), e)
@@ -52,7 +55,8 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
                 # error file, in the rank's log directory, which the driver names
                 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-                get_error_handler().record_exception(e)
+                with contextlib.suppress(OSError):  # a full disk: the record above said it already
+                    get_error_handler().record_exception(e)
             sys.stdout.flush()
             sys.stderr.flush()
             if failure.lost_peer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -194,10 +195,69 @@ def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: 
     _same_run(resumed, straight)
 
 
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
 def test_resume_never_starts_fresh(tmp_path: Path) -> None:
     _ok(run_dtf([*COMMON, "trainer.max_steps=30"], tmp_path / "run"))
+    # A resume after the model changed shape: one line naming the first tensor that differs and both
+    # shapes, bad input (2), and the checkpoints left as they were.
+    checkpoints = _contents(tmp_path / "run" / "checkpoints")
+    other = run_dtf([*COMMON, "trainer.max_steps=30", "model.hidden=64"], tmp_path / "run")
+    newest = tmp_path / "run" / "checkpoints" / f"step_{30:09d}"
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert other.stderr.strip().splitlines() == [
+        f"dtf: error: checkpoint {newest} does not fit this run: model.net.0.weight has the shape [100, 2] there "
+        "and [64, 2] here; resume with the model and optimizer it was trained with, or start over with "
+        "checkpoint.resume=never (its checkpoints are moved aside) or another hydra.run.dir"
+    ]
+    assert _contents(tmp_path / "run" / "checkpoints") == checkpoints
     again = _ok(run_dtf([*COMMON, "trainer.max_steps=30", "checkpoint.resume=never"], tmp_path / "run"))
     assert again.summary["resumed_from_step"] is None
+
+
+def _user_namespaces() -> bool:
+    import shutil
+
+    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    if not _user_namespaces():
+        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
+    # The run dir on a tmpfs of its own (in a mount namespace: no root needed, gone with the test).
+    # Rank 1 fills it at its 62nd forward (step 55), so the save of step 60 finds no space; the
+    # test then frees the space and runs the same command, which continues from step 40.
+    disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    args = [*TEST_DEFAULTS, *FAILING, f"hydra.run.dir={run_dir}"]
+    dtf = " ".join([shlex.quote(sys.executable), "-m", "dtf", *map(shlex.quote, args)])
+    full = ["+model.how=fill_disk", "+model.fail_at_call=62", f"+model.fill_path={disk / 'ballast'}"]
+    script = f"""
+        mount -t tmpfs -o size=64m tmpfs {disk} || exit 99
+        {dtf} {" ".join(map(shlex.quote, full))} >{tmp_path}/full.out 2>{tmp_path}/full.err
+        echo $? >{tmp_path}/full.status
+        rm {disk}/ballast
+        {dtf} +model.fail_rank=-1 >{tmp_path}/rerun.out 2>{tmp_path}/rerun.err
+        echo $? >{tmp_path}/rerun.status
+        cp {run_dir}/summary.json {tmp_path}/summary.json
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=dtf_env(), cwd=tmp_path, timeout=400, check=True)
+    err = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: no space left on the device of {run_dir / 'checkpoints'} while saving the checkpoint of step "
+        "60 (its files were removed; of the earlier checkpoints, step_000000040 is intact and a rerun continues "
+        "from it): free space there, or keep fewer (checkpoint.keep_last) or put them on a larger disk "
+        "(checkpoint.dir, hydra.run.dir), then run the same command to continue"
+    ]
+    assert (tmp_path / "rerun.status").read_text().strip() == "0", (tmp_path / "rerun.err").read_text()[-3000:]
+    resumed = DtfRun(0, (tmp_path / "rerun.out").read_text(), "", tmp_path)  # its summary.json, copied out
+    assert resumed.summary["resumed_from_step"] == 40
+    _same_run(resumed, straight_failing)
 
 
 def test_resume_onto_another_world_size_and_strategy(tmp_path: Path, straight_ddp: DtfRun) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -13,9 +14,11 @@ from torch.utils.data import TensorDataset
 
 
 class FailingModel(nn.Module):
-    """Fails on one rank at its n-th forward (training and evaluation calls both count):
-    how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of SIGKILL), "SIG<NAME>"
-    (sends itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
+    """Fails on one rank at its n-th forward (training and evaluation calls both count; with at_eval,
+    its n-th evaluation call): how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of
+    SIGKILL), "hang" (never returns), "fill_disk" (fills the file system of fill_path with a file
+    there, then goes on), "SIG<NAME>" (sends itself that signal) or "agent:SIG<NAME>" (sends it to
+    its parent, the launcher's agent). eval_delay_s: every evaluation forward sleeps that long.
     With raise_after_signal, a rank that sent a signal raises at its next forward (a crash after a
     stop request). With abort_at_exit, a rank that raised a user error dies of SIGABRT on its way
     out. With first_attempt_only, only the first attempt fails (a restarted run goes through).
@@ -31,6 +34,9 @@ class FailingModel(nn.Module):
         delay_s: float = 0.0,
         raise_after_signal: bool = False,
         abort_at_exit: bool = False,
+        at_eval: bool = False,
+        eval_delay_s: float = 0.0,
+        fill_path: str | None = None,
         **unused: object,
     ) -> None:
         super().__init__()
@@ -40,10 +46,20 @@ class FailingModel(nn.Module):
         self.delay_s = delay_s
         self.raise_after_signal = raise_after_signal
         self.abort_at_exit = abort_at_exit
+        self.at_eval, self.eval_delay_s, self.fill_path = at_eval, eval_delay_s, fill_path
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        if not self.training and self.eval_delay_s:
+            time.sleep(self.eval_delay_s)
+        if not (self.at_eval and self.training):  # with at_eval, only evaluation calls count
+            self.calls += 1
+            self._inject()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.lin(x)
+
+    def _inject(self) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         armed = not self.first_attempt_only or attempt == 0
         mine = armed and int(os.environ.get("RANK", "0")) == self.fail_rank
@@ -52,6 +68,11 @@ class FailingModel(nn.Module):
         if mine and self.calls == self.fail_at_call:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif self.how == "hang":
+                threading.Event().wait()
+            elif self.how == "fill_disk":
+                assert self.fill_path is not None, "how=fill_disk needs fill_path"
+                fill(self.fill_path)
             elif self.how.startswith(("SIG", "agent:SIG")):
                 target = os.getppid() if self.how.startswith("agent:") else os.getpid()
                 os.kill(target, signal.Signals[self.how.split(":")[-1]])
@@ -67,9 +88,17 @@ class FailingModel(nn.Module):
                 raise UserError(f"model.fail_rank={self.fail_rank}: injected bad input; fix model.fail_rank")
             else:
                 raise RuntimeError(f"injected failure on rank {self.fail_rank}")
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.lin(x)
+
+
+def fill(path: str) -> None:
+    """Writes zeros to path until its file system has no space left."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError:
+            pass
 
 
 def one_sample(**unused: object) -> TensorDataset:
