@@ -59,8 +59,9 @@ def run(
     cfg, default_dir, _ = _compose(list(overrides or []), config_dir, "run")
     frozen = freeze(cfg)  # bad input raises here, before anything is written
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
-    _write_hydra_files(cfg, list(overrides or []), directory)
-    result = launch_frozen(frozen, str(directory))
+    with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
+        _write_hydra_files(cfg, list(overrides or []), directory)
+        result = launch_frozen(frozen, str(directory))
     return _summary(result, str(directory), stop_line)
 
 
@@ -110,10 +111,11 @@ def run_function(
     frozen = freeze(cfg)
     payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
-    _write_hydra_files(cfg, given, directory)
-    # a name for the launchers' logs (a partial has none)
-    rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
-    result = launch_frozen(frozen, str(directory), rank_fn)
+    with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
+        _write_hydra_files(cfg, given, directory)
+        # a name for the launchers' logs (a partial has none)
+        rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
+        result = launch_frozen(frozen, str(directory), rank_fn)
     return _summary(result, str(directory), stop_line)
 
 
@@ -207,6 +209,15 @@ def _no_hydra_running() -> Iterator[None]:
         GlobalHydra.instance().clear()
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
+
+
+def _holding(run: RunConfig, run_dir: Path, key: str) -> contextlib.AbstractContextManager[None]:
+    """The run dir held by this process while the run uses it, where the driver holds it (dtf.rundir)."""
+    from dtf import launch, rundir
+
+    if launch.driver_holds_run_dir(run.launcher):
+        return rundir.holding(run_dir, key)
+    return contextlib.nullcontext()
 
 
 def _write_hydra_files(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from dtf import failures
+from dtf import failures, rundir
 from dtf.errors import user_error_in
 from dtf.results import EXIT_USER_ERROR, RunResult
 
@@ -84,6 +84,10 @@ def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Run
         run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
+    if env.is_main and not (rundir.held_by_parent(directory) or run.launcher.name == "spark"):
+        # No driver holds it for the whole run (SLURM, torchrun, several nodes): rank 0 does,
+        # before anything reads or writes there (dtf.launch.driver_holds_run_dir).
+        rundir.hold(directory)
     if across_nodes:
         from dtf.launch.nodes import record_nodes
 
