@@ -5,9 +5,12 @@ process around them (environment, process group, signals) is dtf.rank's.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
@@ -45,8 +48,40 @@ def run(
     stop_request: the rank's stop-signal handlers (none: nothing stops the run early)."""
     stop_request = stop_request or StopRequest(())
     trainer = build(run, env, run_dir, stop_request)
+    done = already_finished(trainer, run_dir)
+    if done is not None:
+        return done if env.is_main else None
     trainer.fit()
     return finish(run, trainer, run_dir, stop_request)
+
+
+def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
+    """A finished run, run again: its summary (untouched, as model.pt and the rest), when the run
+    resumed from its final checkpoint, whose weights summary.json describes. Collective."""
+    if trainer.resumed_from_step is None or trainer.state.step < trainer.total_steps:
+        return None
+    summary: dict[str, Any] | None = None
+    if trainer.env.is_main:
+        with contextlib.suppress(OSError, ValueError):
+            summary = json.loads((run_dir / run_summary.SUMMARY_FILE).read_text())
+    recorded = summary if isinstance(summary, dict) and summary.get("global_step") == trainer.state.step else None
+    # The weights must be the ones it describes (not a summary of an earlier run that ended on the same step).
+    same = dist_env.broadcast_from_main(recorded is not None)
+    if not same:
+        return None
+    digest = run_summary.params_sha256(trainer.strategy.whole_tensors(trainer.model))  # collective
+    if not dist_env.broadcast_from_main(recorded is not None and recorded.get("params_sha256") == digest):
+        return None
+    if not trainer.env.is_main:
+        return Finished({})
+    assert recorded is not None
+    print(
+        f"dtf: this run already finished at step {trainer.state.step} (its summary.json and model.pt are left as they "
+        "are): raise trainer.max_steps or trainer.max_epochs to train on, or start over with checkpoint.resume=never "
+        "or another hydra.run.dir",
+        flush=True,
+    )
+    return Finished(recorded)
 
 
 def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest) -> Trainer:
@@ -229,7 +264,7 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
     print(
         f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, "
         f"{loader.describe(trainer.train_data)}, {trainer.total_steps} optimizer steps, "
-        f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
+        f"lr x{scale:g} ({t.lr_scaling.value} scaling){between_nodes(env)}; run dir {run_dir}",
         flush=True,
     )
     if t.warmup_steps >= trainer.schedule.plan.total:
@@ -238,6 +273,19 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
             "optimizer steps: the LR never reaches its target",
             flush=True,
         )
+
+
+def between_nodes(env: dist_env.DistEnv) -> str:
+    """Where ranks on several machines meet: the network interface their process groups and stores
+    listen on (on one machine, loopback alone: nothing to say)."""
+    if env.world_size <= int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)):
+        return ""
+    from dtf.launch.nodes import interface_address
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+    if not interface:
+        return f", nodes meet at {os.environ.get('MASTER_ADDR', '?')}"
+    return f", nodes connected over {interface} ({interface_address(interface) or '?'})"
 
 
 def previous_failure(run_dir: Path, attempt: int) -> str:
