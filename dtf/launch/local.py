@@ -8,6 +8,7 @@ at once, so a failed rank never leaves the others hanging in a collective.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import multiprocessing
@@ -16,6 +17,7 @@ import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -23,7 +25,13 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import failures
@@ -62,9 +70,9 @@ class LocalLauncher(Launcher):
             # Several: the nodes of one run meet at the endpoint, under one id (their run
             # directories may differ: rank 0's is the run's, dtf.worker).
             run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
-            rdzv_backend="c10d",
+            rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
-            rdzv_configs=nodes.rdzv_configs() if nodes else {},
+            rdzv_configs=nodes.rdzv_configs() if nodes else {"is_host": True},
             max_restarts=self.cfg.max_restarts,
             monitor_interval=self.cfg.monitor_interval,
             start_method=self.cfg.start_method,
@@ -124,6 +132,41 @@ class LocalLauncher(Launcher):
             print(f"dtf: this node's ranks are done; rank 0's node writes {run_dir}/summary.json", flush=True)
             return None
         return rank_result(results.get(0))
+
+
+RENDEZVOUS = "dtf-c10d"
+
+
+class _BoundBackend(C10dRendezvousBackend):
+    @property
+    def name(self) -> str:
+        return RENDEZVOUS  # elastic checks that its handler is the backend it asked for
+
+
+def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch elastic's c10d rendezvous (torchrun's default), with its store listening only on the
+    endpoint's address (127.0.0.1 on one node), not on every interface as TCPStore's server does:
+    the store has no authentication, and anyone who reaches it can write to it."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    is_host = params.get_as_bool("is_host")
+    try:
+        # Unsaid (launcher.node_rank unset): the node whose address the endpoint names hosts it;
+        # a node that cannot listen there (not its address, or another agent of it already does) joins.
+        store = dist_env.tcp_store(host, port, None, is_host is not False, timeout)
+    except OSError as e:
+        if is_host is None and e.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+            store = dist_env.tcp_store(host, port, None, False, timeout)
+        else:
+            reason = (e.strerror or str(e)).lower()
+            raise RendezvousConnectionError(f"cannot host the rendezvous on {host}:{port}: {reason}") from None
+    return create_handler(store, _BoundBackend(store, params.run_id), params)
+
+
+rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
 
 
 def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
