@@ -126,3 +126,29 @@ class ThreadsReport(nn.Linear):
             "own_session": os.getsid(0) == os.getpid(),
         }
         (Path(report_dir) / f"threads_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen))
+
+
+class ListeningSockets(nn.Linear):
+    """A linear model whose ranks, at their at_call-th forward (every store and process group is
+    listening by then), write the TCP sockets their run listens on, seen from the rank's network
+    namespace: its parent (the launcher's agent, the driver) and every process below that, to
+    <report_dir>/sockets_<rank>.json as [[pid, address, port], ...]."""
+
+    def __init__(
+        self, report_dir: str, at_call: int = 5, in_features: int = 2, out_features: int = 1, **unused: object
+    ):
+        super().__init__(in_features, out_features)
+        self.report_dir, self.at_call, self.calls = report_dir, at_call, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at_call:
+            import json
+            from pathlib import Path
+
+            from sockets import descendants, listening
+
+            driver = os.getppid()
+            found = listening([driver, *descendants(driver)])
+            (Path(self.report_dir) / f"sockets_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
+        return super().forward(x)
