@@ -63,8 +63,14 @@ class Strategy(ABC):
         return contextlib.nullcontext()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
-        return dict(self.whole_tensors(model))
+        """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank, in the
+        module's own order (what torch.save(model.state_dict()) keeps: loading by position works)."""
+        whole = dict(self.whole_tensors(model))
+        return {name: whole[name] for name in self.state_names(model)}
+
+    def state_names(self, model: nn.Module) -> list[str]:
+        """The model's state dict keys (wrapper prefixes removed), in the module's order."""
+        return list(get_model_state_dict(model))
 
     def whole_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's state by name, in sorted order, one whole (unsharded) tensor at a time: a

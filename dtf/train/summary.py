@@ -211,8 +211,8 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | Non
     if not env.is_main:
         return None
     summary = loop_summary(run, trainer, ranks, run_dir)
-    if run.trainer.export_weights:
-        torch.save(state, run_dir / WEIGHTS_FILE)
+    if run.trainer.export_weights:  # in the module's order, as torch.save(model.state_dict()) has it
+        torch.save({name: state[name] for name in trainer.strategy.state_names(trainer.model)}, run_dir / WEIGHTS_FILE)
     results: dict[str, float | None] = {"objective": summary.objective, **summary.final_metrics}
     trainer.tb.hparams(tensorboard_hparams(run, trainer), results)
     summary.write(run_dir)
