@@ -53,6 +53,14 @@ class MemoryCheck(str, Enum):
     off = "off"
 
 
+class NonFinite(str, Enum):
+    """trainer.on_nonfinite: a step whose loss or gradients are not finite (dtf.train.nonfinite)."""
+
+    stop = "stop"  # end the run at that step, in one line naming it (exit status 1)
+    skip = "skip"  # leave the step out (no update) and count it
+    ignore = "ignore"  # train on (no check)
+
+
 class Progress(str, Enum):
     auto = "auto"  # a bar on a TTY, plain lines otherwise
     bar = "bar"
@@ -111,6 +119,10 @@ class TrainerConfig:
     # each rank will hold, by the strategy's ZeRO formula, against this node's free memory (the
     # GPU's on CUDA). refuse: stop with one line when they cannot fit; warn: say so and run.
     memory_check: MemoryCheck = MemoryCheck.refuse
+    # A step whose loss or gradients are NaN or inf: stop (end the run there, naming the step; no
+    # checkpoint or model.pt is written from a non-finite state), skip (no update; counted in
+    # summary.json's nonfinite_steps_skipped) or ignore (train on).
+    on_nonfinite: NonFinite = NonFinite.stop
 
     def __post_init__(self) -> None:
         self._check_performance_switches()

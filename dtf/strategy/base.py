@@ -48,6 +48,9 @@ class StateShares:
 
 class Strategy(ABC):
     name: str
+    # After the gradient reduction every rank holds the same, whole gradients (DDP, ZeRO-1); the
+    # FSDP family holds shards.
+    replicated_gradients = True
 
     def __init__(self, cfg: Any, precision: str = "32") -> None:
         self.cfg = cfg  # the strategy's config dataclass (dtf.config.schema)
@@ -113,6 +116,11 @@ class Strategy(ABC):
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         """Bytes this rank holds for parameters + gradients + optimizer state."""
         return parameter_and_grad_bytes(model) + local_state_bytes(optimizer)
+
+    def local_state_tensors(self, model: nn.Module, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        """The parameters and optimizer state this rank holds (DTensors as they are)."""
+        yield from model.parameters()
+        yield from _tensors(list(optimizer.state.values()))
 
 
 def initialise(module: nn.Module) -> None:

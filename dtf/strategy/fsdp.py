@@ -46,6 +46,7 @@ def find_blocks(
 class FSDPStrategy(Strategy):
     name = "fsdp"
     cfg: FSDPStrategyConfig
+    replicated_gradients = False  # each rank holds its shard of them
 
     def mesh(self, env: DistEnv) -> DeviceMesh:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))

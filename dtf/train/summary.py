@@ -120,6 +120,8 @@ class LoopSummary(Summary):
     compiled_graphs: int | None
     # fp16-mixed: steps the gradient scaler skipped for overflowed gradients (null without a scaler).
     skipped_steps: int | None
+    # trainer.on_nonfinite=skip: steps left out because their loss or gradients were not finite.
+    nonfinite_steps_skipped: int
     # Each rank's digest of its resolved config: one config per run, whoever started the ranks.
     config_sha256_by_rank: list[str]
     config_consistent: bool
@@ -249,6 +251,7 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         first_step_s=trainer.first_step_s,
         compiled_graphs=trainer.compiled_graphs,
         skipped_steps=trainer.precision.skipped_steps if trainer.precision.scaler is not None else None,
+        nonfinite_steps_skipped=trainer.nonfinite.skipped,
         config_sha256_by_rank=[str(r.config_digest) for r in ranks],
         config_consistent=len({r.config_digest for r in ranks}) == 1,
         samples_seen=st.samples_seen,

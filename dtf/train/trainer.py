@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -20,11 +20,13 @@ from dtf.config.schema import TrainerConfig
 from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist.env import DistEnv
+from dtf.errors import TrainingFailed
 from dtf.strategy.base import Strategy
 from dtf.train.blocks import compiled_graphs
-from dtf.train.checkpoint import Checkpointer
+from dtf.train.checkpoint import Checkpointer, committed
 from dtf.train.control import StepControl
 from dtf.train.metrics import MeanMetric, Metrics
+from dtf.train.nonfinite import NonFiniteGuard
 from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
 from dtf.train.rng import set_rng_state
@@ -71,6 +73,7 @@ class Trainer:
         train_metrics: Metrics,
         precision: Precision | None = None,
         pruning: Pruning | None = None,
+        nonfinite: NonFiniteGuard | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -86,6 +89,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.control = control
         self.precision = precision or Precision("32", env.device)
+        self.nonfinite = nonfinite or NonFiniteGuard(settings.on_nonfinite, strategy, self.precision, env)
         self.pruning = pruning
         self.pruned_at_epoch: int | None = None  # the search pruned this trial after that epoch
         self.state = TrainState()
@@ -133,9 +137,12 @@ class Trainer:
                 self._end_epoch(progress)
                 if self.pruned_at_epoch is not None:
                     # A pruned trial keeps where it got to: its checkpoint, then its summary.
+                    self._check_state_finite(self.state.step)
                     self.checkpointer.save(self.state.step, self, force=True)
                     break
             self.control.close()  # the last background save is committed, no exchange left in flight
+            if self.stopped_at_step is None:  # what model.pt will hold (an overflow in the last update)
+                self._check_state_finite(self.state.step)
         finally:
             self.train_data.close()  # a stopped run leaves a next epoch it had started to read
             progress.close()
@@ -176,17 +183,28 @@ class Trainer:
 
     def _train_window(self, micro_batches: Iterator[Any], size: int) -> None:
         """One optimizer step over `size` micro-batches; gradients are synchronised once, on the last."""
+        losses = []
         for j, batch in enumerate(micro_batches):
             batch = to_device(batch, self.env.device)
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
                 loss, count = self._forward_loss(batch, self.train_metrics)
-                self.precision.backward(loss / size if size > 1 else loss)
-            self.train_loss.update(loss, count)
+                self.precision.backward(self.nonfinite.watch(loss / size if size > 1 else loss))
+            losses.append((loss, count))
+        grad_norm = None
         if self.s.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
-        stepped = self.precision.step(self.optimizer)
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
+        stepped = False
+        if self.nonfinite.step_is_finite(self.model, grad_norm):
+            for loss, count in losses:
+                self.train_loss.update(loss, count)
+            stepped = self.precision.step(self.optimizer)
+        elif self.nonfinite.stops:
+            self._stop_nonfinite(self.state.step + 1, "the loss or its gradients are not finite (NaN or inf)")
+        else:
+            self.precision.skip()
+            self._skip_nonfinite(self.state.step + 1)
         if self.model_state_bytes is None and stepped:
             # Measured once, when parameters, gradients and optimizer state all exist.
             self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
@@ -221,11 +239,43 @@ class Trainer:
         if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
         stop = self.control.should_stop(step, last)
+        if stop or self.checkpointer.is_due(step, last):
+            self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
         if self.checkpointer.save(step, self, last=last, force=stop):
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
+
+    def _check_state_finite(self, step: int) -> None:
+        """Before a checkpoint (or model.pt) is written from it: the state must be finite (an
+        update from finite gradients can still overflow). Collective."""
+        if not self.nonfinite.state_is_finite(self.strategy.local_state_tensors(self.model, self.optimizer)):
+            self._stop_nonfinite(step, "the parameters or the optimizer state are not finite (NaN or inf)")
+
+    def _stop_nonfinite(self, step: int, what: str) -> NoReturn:
+        """trainer.on_nonfinite=stop (or a state no skip can mend): every rank is here, at the same step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.control.close()  # a background save of an earlier, finite step is committed
+        newest = committed(self.checkpointer.root)[:1]
+        kept = f"its newest checkpoint, {newest[0].name}, holds the last finite state" if newest else "it has no checkpoint"
+        raise TrainingFailed(
+            f"training diverged: {what} at step {step} (trainer.on_nonfinite={self.nonfinite.mode.value}); the run "
+            f"stopped there and {kept}: lower optimizer.lr, set trainer.grad_clip_norm, or leave such steps out "
+            "with trainer.on_nonfinite=skip"
+        )
+
+    def _skip_nonfinite(self, step: int) -> None:
+        """trainer.on_nonfinite=skip: the step is left out (no update); said on the first and every
+        tenfold one, counted in summary.json."""
+        self.nonfinite.skipped += 1
+        n = self.nonfinite.skipped
+        if self.env.is_main and (n == 1 or math.log10(n).is_integer()):
+            print(
+                f"dtf: warning: step {step}: the loss or its gradients are not finite (NaN or inf); the step is "
+                f"skipped (trainer.on_nonfinite=skip), {n} so far",
+                flush=True,
+            )
 
     def _first_step(self, seconds: float) -> None:
         """Compilation happens in the first step: its time and what it compiled, in one line."""
@@ -326,6 +376,7 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "train_metrics": self.train_metrics.state_dict(),  # summed or gathered over the ranks
             "precision": self.precision.state_dict(),  # fp16's gradient scaler; {} otherwise
+            "nonfinite_steps_skipped": self.nonfinite.skipped,
         }
 
     def resume_from(self, path: Path) -> None:
@@ -339,6 +390,7 @@ class Trainer:
         self.train_loss.load_state_dict(saved["epoch_loss"], holder=self.env.is_main)
         self.train_metrics.load_state_dict(saved.get("train_metrics", {}), holder=self.env.is_main)
         self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
+        self.nonfinite.skipped = int(saved.get("nonfinite_steps_skipped", 0))
         self.resumed_from_step = self.state.step
         saved_batch, saved_partitions = self.state.global_batch, self.state.canonical_partitions
         self._record_data_position()

@@ -221,6 +221,35 @@ def test_resume_never_starts_fresh(tmp_path: Path) -> None:
     assert again.summary["resumed_from_step"] is None
 
 
+def test_a_non_finite_loss_on_one_rank_stops_the_run_at_that_step_with_its_checkpoints_finite(tmp_path: Path) -> None:
+    # rank 1's loss is NaN at step 45; on_nonfinite=stop is the default
+    model = ["model._target_=user_models.NonFiniteModel", "+model.at_call=45", "+model.ranks=[1]"]
+    run = run_dtf([*COMMON, *model, f"trainer.max_steps={N}"], tmp_path / "run")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [
+        "dtf: error: training diverged: the loss or its gradients are not finite (NaN or inf) at step 45 "
+        "(trainer.on_nonfinite=stop); the run stopped there and its newest checkpoint, step_000000040, holds the "
+        "last finite state: lower optimizer.lr, set trainer.grad_clip_norm, or leave such steps out with "
+        "trainer.on_nonfinite=skip"
+    ]
+    assert not (run.run_dir / "summary.json").exists() and not (run.run_dir / "model.pt").exists()
+    assert _steps(run.run_dir / "checkpoints") == [20, 40]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run.run_dir / "checkpoints" / f"step_{40:09d}", tmp_path / "whole.pt")
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)
+    tensors = [t for t in _leaves(state) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    assert len(tensors) >= 6 and all(torch.isfinite(t).all() for t in tensors)
+
+
+def _leaves(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [leaf for value in obj.values() for leaf in _leaves(value)]
+    if isinstance(obj, list | tuple):
+        return [leaf for value in obj for leaf in _leaves(value)]
+    return [obj]
+
+
 def _user_namespaces() -> bool:
     import shutil
 

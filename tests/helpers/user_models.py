@@ -152,3 +152,37 @@ class ListeningSockets(nn.Linear):
             found = listening([driver, *descendants(driver)])
             (Path(self.report_dir) / f"sockets_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
         return super().forward(x)
+
+
+class NonFiniteModel(nn.Linear):
+    """A linear model (2 -> 1) that, at its at_call-th training forward (or each of a list of
+    them) on the ranks named (all: every rank), makes the step non-finite: how = "nan_loss" (its
+    outputs, hence the loss, NaN), "inf_loss" (outputs so large that the loss overflows to inf
+    while its gradients stay finite), "nan_grad" (a finite loss whose gradients are NaN) or
+    "zero_grad" (gradients 0: a step that changes nothing under plain SGD, the reference a
+    skipped step must equal)."""
+
+    def __init__(
+        self, at_call: int | list[int], how: str = "nan_loss", ranks: list[int] | None = None, **unused: object
+    ):
+        super().__init__(2, 1)
+        self.at_calls = [at_call] if isinstance(at_call, int) else list(at_call)
+        self.how, self.ranks, self.calls = how, ranks, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self.training:
+            return out
+        self.calls += 1
+        if self.calls not in self.at_calls or (
+            self.ranks is not None and int(os.environ.get("RANK", "0")) not in self.ranks
+        ):
+            return out
+        if self.how == "nan_loss":
+            return out * float("nan")
+        if self.how == "inf_loss":
+            return out.detach() * 0 + 1e30 + out * 0  # (1e30 - y)^2 overflows; the gradient 2(1e30 - y)/n does not
+        if out.requires_grad:
+            fill = float("nan") if self.how == "nan_grad" else 0.0
+            out.register_hook(lambda grad: torch.full_like(grad, fill))
+        return out
