@@ -323,6 +323,7 @@ class Checkpointer:
         self._background_group = dist.new_group(backend="gloo") if cfg.async_save and multi else None
         self._pending: tuple[int, Path, Future[Any]] | None = None
         self.blocked_s: list[float] = []  # how long each save held up the training loop
+        self.last_saved_step: int | None = None  # of this process's latest save (maybe still being written)
 
     def is_due(self, step: int, last: bool) -> bool:
         return bool(self.every_n_steps and step % self.every_n_steps == 0) or (last and self.at_end)
@@ -342,6 +343,7 @@ class Checkpointer:
         background write is done)."""
         self.finish()  # at most one save in flight: the one before is committed first
         path = self.path_of(step)
+        self.last_saved_step = step
         if self.env.is_main:
             if path.exists():  # a stale, uncommitted attempt at the same step (e.g. before a crash)
                 shutil.rmtree(path)

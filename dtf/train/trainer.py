@@ -29,7 +29,7 @@ from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.nonfinite import NonFiniteGuard
 from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
-from dtf.train.rng import set_rng_state
+from dtf.train.rng import rng_state, set_rng_state
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
 
@@ -134,7 +134,9 @@ class Trainer:
             while not self.finished:
                 if self._train_epoch(progress):
                     break  # stopped: the epoch's end is the resumed run's to do
-                self._end_epoch(progress)
+                if not self._end_epoch(progress):
+                    self._stop_in_evaluation()
+                    break
                 if self.pruned_at_epoch is not None:
                     # A pruned trial keeps where it got to: its checkpoint, then its summary.
                     self._check_state_finite(self.state.step)
@@ -258,7 +260,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.control.close()  # a background save of an earlier, finite step is committed
         newest = committed(self.checkpointer.root)[:1]
-        kept = f"its newest checkpoint, {newest[0].name}, holds the last finite state" if newest else "it has no checkpoint"
+        kept = "it has no checkpoint"
+        if newest:
+            kept = f"its newest checkpoint, {newest[0].name}, holds the last finite state"
         raise TrainingFailed(
             f"training diverged: {what} at step {step} (trainer.on_nonfinite={self.nonfinite.mode.value}); the run "
             f"stopped there and {kept}: lower optimizer.lr, set trainer.grad_clip_norm, or leave such steps out "
@@ -290,19 +294,26 @@ class Trainer:
                 flush=True,
             )
 
-    def _end_epoch(self, progress: Progress) -> None:
+    def _end_epoch(self, progress: Progress) -> bool:
         """The epoch's figures over all ranks: its training loss (and metrics), and an evaluation
-        when one is due (always after the last epoch)."""
+        when one is due (always after the last epoch). False when a stop signal abandoned the
+        evaluation: the state is left as it was, and the resumed run ends the epoch."""
         st = self.state
-        st.epoch += 1
-        st.samples_in_epoch = 0
-        st.last_train_loss = self.train_loss.compute()
-        st.train_loss_curve.append(st.last_train_loss)
-        figures = {"train/loss": st.last_train_loss}
+        train_loss = self.train_loss.compute()
+        figures = {"train/loss": train_loss}
         figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
         done = st.step >= self.total_steps
-        if self.eval_data is not None and (done or st.epoch % self.s.eval_every_n_epochs == 0):
-            st.last_test_loss, test_metrics = self.evaluate()
+        evaluated = None
+        if self.eval_data is not None and (done or (st.epoch + 1) % self.s.eval_every_n_epochs == 0):
+            evaluated = self.evaluate(stoppable=True)
+            if evaluated is None:
+                return False
+        st.epoch += 1
+        st.samples_in_epoch = 0
+        st.last_train_loss = train_loss
+        st.train_loss_curve.append(train_loss)
+        if evaluated is not None:
+            st.last_test_loss, test_metrics = evaluated
             st.test_loss_curve.append(st.last_test_loss)
             figures["test/loss"] = st.last_test_loss
             figures.update({f"test/{k}": v for k, v in test_metrics.items()})
@@ -313,6 +324,16 @@ class Trainer:
         if self.pruning is not None and not done and self.pruning.should_prune(st.epoch, figures):
             self.pruned_at_epoch = st.epoch
             progress.write(f"epoch {st.epoch}: pruned by the search (hydra.sweeper.pruner)")
+        return True
+
+    def _stop_in_evaluation(self) -> None:
+        """A stop agreed during the epoch's evaluation: the run stops at the epoch's last step, with
+        its checkpoint (unless that step's save was made already, before the evaluation)."""
+        step = self.state.step
+        self.control.stop_at(step)
+        if self.checkpointer.last_saved_step != step:
+            self._check_state_finite(step)
+            self.checkpointer.save(step, self, force=True)
 
     def _forward_loss(self, batch: Any, metrics: Metrics | None) -> tuple[torch.Tensor, int]:
         """The step's loss and how many samples it counts; metrics see what the loss sees."""
@@ -343,13 +364,23 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, dict[str, float]]:
-        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks."""
+    def evaluate(self, stoppable: bool = False) -> tuple[float, dict[str, float]] | None:
+        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks.
+        stoppable: the ranks check for a stop between batches, and a stop abandons the evaluation
+        (None), leaving the random streams as they were before it."""
         assert self.eval_data is not None
+        rng = rng_state() if stoppable else None  # iterating a DataLoader draws a seed from them
+        if stoppable:
+            self.control.enter_phase()
         self.model.eval()
         loss_sums = MeanMetric(self.env.device)
         self.metrics.reset()
         for j, batch in enumerate(self.eval_data):
+            if rng is not None and j > 0 and self.control.should_stop_evaluating(j):
+                self.model.train()
+                self.control.enter_phase()
+                set_rng_state(rng)
+                return None
             batch = to_device(batch, self.env.device)
             real = self.eval_data.num_real_in_batch(j)
             # Padded samples (only ever at the end of a rank's share) are cut off; a batch that is
@@ -361,6 +392,8 @@ class Trainer:
             else:
                 self._forward_loss(batch, None)
         self.model.train()
+        if stoppable:
+            self.control.enter_phase()
         return loss_sums.compute(), self.metrics.compute()
 
     # -- checkpoints -----------------------------------------------------------------------

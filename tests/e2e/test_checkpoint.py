@@ -176,6 +176,62 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_ends_as_the_straight
     _same_run(resumed, straight_failing)
 
 
+def test_a_stop_signal_during_evaluation_ends_it_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # Rank 1 sends SIGTERM to the launcher at its 2nd evaluation forward after epoch 1 (step 32);
+    # every evaluation batch takes 1 s, 7 of them a rank. The ranks agree between two batches,
+    # abandon the evaluation, save step 32 and stop; the rerun evaluates epoch 1 again.
+    in_eval = ["+model.at_eval=true", "+model.fail_at_call=2", "+model.how=agent:SIGTERM", "+model.eval_delay_s=1.0"]
+    started = time.monotonic()
+    stopped = run_dtf([*FAILING, *in_eval, "checkpoint.stop_check_every_n_steps=null"], tmp_path / "run")
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    saved = tmp_path / "run" / "checkpoints" / f"step_{32:09d}"
+    assert stopped.stderr.strip().splitlines()[-1].startswith(f"dtf: stopped by SIGTERM at step 32, saved {saved};")
+    assert "epoch 1:" not in stopped.stdout  # the evaluation's line never came: it was abandoned
+    assert _steps(tmp_path / "run" / "checkpoints") == [20, 32]
+    assert time.monotonic() - started < 60
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run"))
+    assert resumed.summary["resumed_from_step"] == 32
+    _same_run(resumed, straight_failing)
+
+
+def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # SIGTERM twice to `python -m dtf`, as an impatient user or a scheduler's second notice: "now".
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", "+model.delay_s=0.05"]
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, f"hydra.run.dir={run_dir}"], stderr=err, stdout=subprocess.DEVNULL, env=dtf_env()
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not _steps(run_dir / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err_text = (tmp_path / "err").read_text()
+    assert code == EXIT_STOPPED, err_text[-3000:]
+    newest = _steps(run_dir / "checkpoints")[-1]
+    assert (
+        err_text.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"dtf: stopped by SIGTERM (twice) at step {newest}, saved {run_dir / 'checkpoints' / f'step_{newest:09d}'};"
+        )
+    ), err_text[-2000:]
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    assert resumed.summary["resumed_from_step"] == newest
+    _same_run(resumed, straight_failing)
+
+
 def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
     args = [*COMMON, "checkpoint.keep_last=3"]
     straight = straight_ddp
