@@ -186,3 +186,17 @@ class NonFiniteModel(nn.Linear):
             fill = float("nan") if self.how == "nan_grad" else 0.0
             out.register_hook(lambda grad: torch.full_like(grad, fill))
         return out
+
+
+class RandomInEvaluation(nn.Linear):
+    """A linear model (2 -> 1) with dropout on its inputs in training, which draws a random number
+    at every evaluation forward (as test-time augmentation would): what training does after an
+    evaluation depends on the random streams the evaluation drew from."""
+
+    def __init__(self, **unused: object) -> None:
+        super().__init__(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            torch.rand(1)
+        return super().forward(nn.functional.dropout(x, 0.5, self.training))
