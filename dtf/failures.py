@@ -80,18 +80,27 @@ def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -
     every_rank = bool(getattr(user or error, "every_rank", False))
     trace = "" if failed else traceback.format_exc()
     failure = RankFailure(rank, time.time_ns(), user is not None, message, trace, every_rank)
+    problem = write(run_dir, attempt, failure)
+    if problem is not None:
+        with contextlib.suppress(OSError):  # stderr may be a log file on the same full disk
+            sys.stderr.write(f"dtf: rank {rank} failed ({message}) and could not record it ({problem})\n")
+            sys.stderr.flush()
+    return failure
+
+
+def write(run_dir: str | Path, attempt: int, failure: RankFailure) -> OSError | None:
+    """Keeps a failure record (a rank's own, or the driver's about a rank: a stalled one); the
+    error when it could be written nowhere."""
+    problem = None
     for root in _roots(run_dir):
-        path = _attempt_dir(root, attempt) / f"rank_{rank}.json"
+        path = _attempt_dir(root, attempt) / f"rank_{failure.rank}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, json.dumps(asdict(failure)))
-            return failure
+            return None
         except OSError as e:
             problem = e
-    with contextlib.suppress(OSError):  # stderr may be a log file on the same full disk
-        sys.stderr.write(f"dtf: rank {rank} failed ({message}) and could not record it ({problem})\n")
-        sys.stderr.flush()
-    return failure
+    return problem
 
 
 def _first_cause(error: BaseException) -> BaseException:

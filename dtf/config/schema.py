@@ -123,6 +123,10 @@ class TrainerConfig:
     # checkpoint or model.pt is written from a non-finite state), skip (no update; counted in
     # summary.json's nonfinite_steps_skipped) or ignore (train on).
     on_nonfinite: NonFinite = NonFinite.stop
+    # A run none of whose ranks makes progress for this long is stalled: the driver names the
+    # rank(s) that got the least far and kills them (dtf.launch.stalls). null: the larger of 300 s
+    # and 50 median step times. Start-up, the first step and checkpoint saves get dist_timeout_s.
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self._check_performance_switches()
@@ -163,6 +167,12 @@ class TrainerConfig:
         require(self.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", self.eval_every_n_epochs, "use 1 or more")
         require(
             self.dist_timeout_s > 0, "trainer.dist_timeout_s", self.dist_timeout_s, "use a positive number of seconds"
+        )
+        require(
+            self.stall_timeout_s is None or self.stall_timeout_s > 0,
+            "trainer.stall_timeout_s",
+            self.stall_timeout_s,
+            "use a positive number of seconds, or null for the default (300 s or 50 step times)",
         )
         require(
             self.num_warmup_timing_steps >= 0,

@@ -38,6 +38,7 @@ from dtf import failures
 from dtf.config.schema import LocalLauncherConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.launch import stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
 from dtf.machine import threads_per_rank
@@ -94,14 +95,17 @@ class LocalLauncher(Launcher):
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         start_resource_tracker_ignoring(stop_signals)
         failures.clear(run_dir)
+        stalls.clear(run_dir)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
+        watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
         try:
             with (
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
                 sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
+                watch.watching(),
             ):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)

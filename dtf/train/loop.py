@@ -33,6 +33,7 @@ from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
+from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
@@ -47,12 +48,18 @@ def run(
     """Rank 0 returns Finished (the others None), or every rank Stopped when the ranks agreed to stop.
     stop_request: the rank's stop-signal handlers (none: nothing stops the run early)."""
     stop_request = stop_request or StopRequest(())
-    trainer = build(run, env, run_dir, stop_request)
-    done = already_finished(trainer, run_dir)
-    if done is not None:
-        return done if env.is_main else None
-    trainer.fit()
-    return finish(run, trainer, run_dir, stop_request)
+    beat = Heartbeat(run_dir, env.rank, dist_env.attempt_number())
+    beat.start()  # from here, the driver sees how far this rank got (dtf.launch.stalls)
+    try:
+        trainer = build(run, env, run_dir, stop_request, beat)
+        done = already_finished(trainer, run_dir)
+        if done is not None:
+            return done if env.is_main else None
+        trainer.fit()
+        beat.mark("finishing")
+        return finish(run, trainer, run_dir, stop_request)
+    finally:
+        beat.close()
 
 
 def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
@@ -84,7 +91,9 @@ def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
     return Finished(recorded)
 
 
-def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest) -> Trainer:
+def build(
+    run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest, beat: Heartbeat | None = None
+) -> Trainer:
     """The Trainer, ready to fit: from its checkpoint when the run resumes."""
     if run.trainer.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
@@ -102,7 +111,7 @@ def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: St
     blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(run.trainer.seed + env.rank)
-    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data)
+    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data, beat)
     if resume is not None:
         trainer.resume_from(resume)
         if env.is_main:
@@ -183,6 +192,7 @@ def assemble(
     optimizer: Optimizer,
     train_data: TrainData,
     eval_data: EvalData | None,
+    beat: Heartbeat | None = None,
 ) -> Trainer:
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
@@ -212,6 +222,7 @@ def assemble(
         ),
         precision=parts.precision,
         pruning=trial_pruning(run, eval_data is not None, env),
+        heartbeat=beat,
     )
     trainer.model_state_estimate_bytes = parts.state_estimate_bytes
     return trainer

@@ -25,6 +25,7 @@ from dtf.strategy.base import Strategy
 from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import Checkpointer, committed
 from dtf.train.control import StepControl
+from dtf.train.heartbeat import Heartbeat
 from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.nonfinite import NonFiniteGuard
 from dtf.train.precision import Precision
@@ -74,6 +75,7 @@ class Trainer:
         precision: Precision | None = None,
         pruning: Pruning | None = None,
         nonfinite: NonFiniteGuard | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -101,6 +103,8 @@ class Trainer:
         self.resumed_from_step: int | None = None
         self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.strategy.memory)
         self.step_times: list[float] = []
+        self.beat = heartbeat or Heartbeat(None, env.rank, 0)  # what this rank does, for the driver
+        self.beat.step_times = self.step_times
         self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
         self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
@@ -186,13 +190,19 @@ class Trainer:
     def _train_window(self, micro_batches: Iterator[Any], size: int) -> None:
         """One optimizer step over `size` micro-batches; gradients are synchronised once, on the last."""
         losses = []
+        beat = self.beat
+        beat.mark("waiting for data")
         for j, batch in enumerate(micro_batches):
+            beat.mark("forward")
             batch = to_device(batch, self.env.device)
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
                 loss, count = self._forward_loss(batch, self.train_metrics)
+                beat.mark("backward")
                 self.precision.backward(self.nonfinite.watch(loss / size if size > 1 else loss))
             losses.append((loss, count))
+            beat.mark("waiting for data")
+        beat.mark("the optimizer step")
         grad_norm = None
         if self.s.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -232,6 +242,7 @@ class Trainer:
         """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
+        self.beat.stepped(self.state.step)
         if self.first_step_s is None:
             self._first_step(now - self._t_last)
         self.state.train_seconds += now - self._t_last
@@ -242,10 +253,12 @@ class Trainer:
             self._log_step(progress)
         stop = self.control.should_stop(step, last)
         if stop or self.checkpointer.is_due(step, last):
+            self.beat.mark("saving a checkpoint")
             self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
         if self.checkpointer.save(step, self, last=last, force=stop):
+            self.beat.mark("after a checkpoint")
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
 
@@ -299,6 +312,7 @@ class Trainer:
         when one is due (always after the last epoch). False when a stop signal abandoned the
         evaluation: the state is left as it was, and the resumed run ends the epoch."""
         st = self.state
+        self.beat.mark("the epoch's end")
         train_loss = self.train_loss.compute()
         figures = {"train/loss": train_loss}
         figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
@@ -332,6 +346,7 @@ class Trainer:
         step = self.state.step
         self.control.stop_at(step)
         if self.checkpointer.last_saved_step != step:
+            self.beat.mark("saving a checkpoint")
             self._check_state_finite(step)
             self.checkpointer.save(step, self, force=True)
 
@@ -375,7 +390,9 @@ class Trainer:
         self.model.eval()
         loss_sums = MeanMetric(self.env.device)
         self.metrics.reset()
+        self.beat.mark("waiting for evaluation data")
         for j, batch in enumerate(self.eval_data):
+            self.beat.mark("evaluation")
             if rng is not None and j > 0 and self.control.should_stop_evaluating(j):
                 self.model.train()
                 self.control.enter_phase()
@@ -391,6 +408,7 @@ class Trainer:
                 loss_sums.update(loss, count)
             else:
                 self._forward_loss(batch, None)
+            self.beat.mark("waiting for evaluation data")
         self.model.train()
         if stoppable:
             self.control.enter_phase()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dtf.train.checkpoint import committed
-from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env
+from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.helpers.sockets import descendants, listening
 
 # Every forward sleeps, so a run trains for seconds (100 steps of 2 ranks, 32 batches an epoch).
@@ -147,3 +147,20 @@ def test_a_finished_run_run_again_says_so_and_leaves_its_record_as_it_was(shared
     ) in again.stdout
     assert "nan" not in again.stdout and "final" not in again.stdout
     assert _record_of(shared_dir.run_dir) == shared_dir.finished_files  # bit for bit, no new event file
+
+
+def test_a_hung_rank_is_named_and_killed_long_before_the_collective_timeout(tmp_path: Path) -> None:
+    # Rank 1's 10th forward never returns; rank 0 goes on to backward and waits there for it.
+    hung_at = tmp_path / "hung_at"
+    hang = ["model._target_=user_models.FailingModel", "+model.how=hang", "+model.fail_at_call=10"]
+    args = [*hang, f"+model.fill_path={hung_at}", "trainer.stall_timeout_s=3", "trainer.dist_timeout_s=600"]
+    run = run_dtf(args, tmp_path / "run", timeout=300)
+    ended = time.time()
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "dtf: error: rank 1 failed: made no progress for 3 s in forward of step 10 (trainer.stall_timeout_s: 3 s), "
+        f"while rank(s) 0 waited for it; it was killed (its logs: {tmp_path / 'run' / 'logs'}"
+    ), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    # stall timeout, the driver's poll, a heartbeat's delay, the run's end: no 30 s grace, no 600 s timeout
+    assert ended - float(hung_at.read_text()) < 20

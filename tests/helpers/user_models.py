@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,9 +17,10 @@ from torch.utils.data import TensorDataset
 class FailingModel(nn.Module):
     """Fails on one rank at its n-th forward (training and evaluation calls both count; with at_eval,
     its n-th evaluation call): how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of
-    SIGKILL), "hang" (never returns), "fill_disk" (fills the file system of fill_path with a file
-    there, then goes on), "SIG<NAME>" (sends itself that signal) or "agent:SIG<NAME>" (sends it to
-    its parent, the launcher's agent). eval_delay_s: every evaluation forward sleeps that long.
+    SIGKILL), "hang" (never returns; writes the time it hung to fill_path, if given), "fill_disk"
+    (fills the file system of fill_path with a file there, then goes on), "SIG<NAME>" (sends
+    itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
+    eval_delay_s: every evaluation forward sleeps that long.
     With raise_after_signal, a rank that sent a signal raises at its next forward (a crash after a
     stop request). With abort_at_exit, a rank that raised a user error dies of SIGABRT on its way
     out. With first_attempt_only, only the first attempt fails (a restarted run goes through).
@@ -69,6 +71,8 @@ class FailingModel(nn.Module):
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self.how == "hang":
+                if self.fill_path is not None:  # when it hung, for the test to time what follows
+                    Path(self.fill_path).write_text(str(time.time()))
                 threading.Event().wait()
             elif self.how == "fill_disk":
                 assert self.fill_path is not None, "how=fill_disk needs fill_path"
