@@ -338,6 +338,14 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
 
 def _check_target(path: str, node: DictConfig) -> None:
     target = str(node._target_)
+    if target.startswith("__main__."):
+        # The ranks are fresh processes that never run the script (dtf.launch.local.ranks_without_main).
+        name = target.removeprefix("__main__.")
+        raise UserError(
+            f"{path}._target_={target} names {name} in the script that runs dtf, which the ranks do not run: put "
+            f"{name} in a module of its own that they can import (a .py file next to the script, on PYTHONPATH) and "
+            f"name it there, or pass it to dtf.run_function(module={name}), which ships it to the ranks"
+        )
     try:
         obj = _locate(str(target))
     except Exception as e:  # _locate raises ImportError with the real cause chained

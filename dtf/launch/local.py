@@ -106,6 +106,7 @@ class LocalLauncher(Launcher):
                 sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
                 watch.watching(),
+                ranks_without_main(),
             ):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
@@ -199,14 +200,27 @@ def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
     if killed:
         rank = killed[0]
         name = signal.Signals(-e.failures[rank].exitcode).name
-        return RankFailedError(f"rank {rank} failed: killed by signal {name} (its logs: {logs[rank] or run_dir})")
+        return RankFailedError(f"rank {rank} failed: killed by signal {name} ({output_of(e, rank, run_dir)})")
     if first is not None:
         lost = lost_node(first, run_dir)
         if lost is not None:
             return RankFailedError(f"{lost} (rank {first.rank}'s logs: {logs.get(first.rank) or f'{run_dir}/logs'})")
         return failures.report(first, logs.get(first.rank) or f"{run_dir}/logs")
     rank, failure = min(e.failures.items())
-    return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} (its logs: {logs[rank] or run_dir})")
+    return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} ({output_of(e, rank, run_dir)})")
+
+
+def output_of(e: ChildFailedError, rank: int, run_dir: str) -> str:
+    """Where a failed rank's output is, also when it died before dtf's code ran in it (no error
+    file): its log directory, or its own stderr file there; a node's local rank 0 writes to the
+    terminal (its progress bar), where its output is, above this line."""
+    failure = e.failures[rank]
+    if os.path.isabs(failure.error_file):
+        return f"its logs: {os.path.dirname(failure.error_file)}"
+    if failure.local_rank == 0:
+        return "its output is above"
+    found = sorted(Path(run_dir, "logs").glob(f"*/attempt_*/{failure.local_rank}/stderr.log"), key=os.path.getmtime)
+    return f"its error output: {found[-1]}" if found else f"its logs: {run_dir}/logs"
 
 
 @contextlib.contextmanager
@@ -237,6 +251,30 @@ def sized_thread_pools(nproc: int, configured: Any = None) -> Iterator[None]:
         yield
     finally:
         del os.environ["OMP_NUM_THREADS"]
+
+
+@contextlib.contextmanager
+def ranks_without_main() -> Iterator[None]:
+    """multiprocessing's spawn runs the starting process's __main__ again in every child, so that
+    what it pickled by reference can be found there. A rank needs none of it: dtf's rank entry and
+    the config travel by reference to dtf's modules, dtf.run_function's objects by value. And a
+    script without an `if __name__ == "__main__":` guard would start its run again in every rank
+    (a script piped to `python -`, whose __main__ is "<stdin>", could not be run again at all)."""
+    from multiprocessing import spawn
+
+    prepare = spawn.get_preparation_data
+
+    def without_main(name: str) -> dict[str, Any]:
+        data = prepare(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = prepare
 
 
 @contextlib.contextmanager

@@ -157,10 +157,54 @@ def test_a_hung_rank_is_named_and_killed_long_before_the_collective_timeout(tmp_
     run = run_dtf(args, tmp_path / "run", timeout=300)
     ended = time.time()
     assert run.returncode == 1, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1].startswith(
-        "dtf: error: rank 1 failed: made no progress for 3 s in forward of step 10 (trainer.stall_timeout_s: 3 s), "
-        f"while rank(s) 0 waited for it; it was killed (its logs: {tmp_path / 'run' / 'logs'}"
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "dtf: error: rank 1 failed: made no progress for 3 s in forward of step 10 (trainer.stall_timeout_s: 3 s), "
+            f"while rank(s) 0 waited for it; it was killed (its logs: {tmp_path / 'run' / 'logs'}"
+        )
     ), run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     # stall timeout, the driver's poll, a heartbeat's delay, the run's end: no 30 s grace, no 600 s timeout
     assert ended - float(hung_at.read_text()) < 20
+
+
+# A user's script as it is often first written: no `if __name__ == "__main__":` guard, a model
+# class of its own that a config cannot name (the ranks never run the script), then a run.
+SCRIPT = """
+import sys
+import torch
+import dtf
+
+
+class Net(torch.nn.Linear):
+    pass
+
+
+try:
+    dtf.run(["model._target_=__main__.Net"], run_dir=sys.argv[1] + "/refused")
+except dtf.UserError as e:
+    print("refused:", e)
+summary = dtf.run(["trainer.max_steps=3", "trainer.progress=off"], run_dir=sys.argv[1] + "/run")
+print("steps:", summary["global_step"])
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_a_script_without_a_main_guard_runs_and_names_no_class_of_its_own(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, str(script) if how == "file" else "-", str(tmp_path)]
+    done = subprocess.run(
+        cmd, input=SCRIPT if how == "stdin" else None, capture_output=True, text=True, timeout=300, env=dtf_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        "refused: model._target_=__main__.Net names Net in the script that runs dtf, which the ranks do not run: put "
+        "Net in a module of its own that they can import (a .py file next to the script, on PYTHONPATH) and name it "
+        "there, or pass it to dtf.run_function(module=Net), which ships it to the ranks"
+    ), done.stdout[-3000:]
+    assert lines[-1] == "steps: 3", done.stdout[-3000:]
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
