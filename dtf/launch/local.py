@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -293,16 +294,28 @@ def standard_start_method(method: str) -> Iterator[None]:
         multiprocessing.set_start_method(current, force=True)
 
 
+# The resource tracker's warnings ("resource_tracker: There appear to be N leaked semaphore objects"):
+# it unlinks what dead processes left it all the same.
+_TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
+
+
 def start_resource_tracker_ignoring(names: list[str]) -> None:
     """Python's resource tracker (a process multiprocessing starts for the ranks' queues) dies of
     SIGUSR1 like any process, and SLURM signals every process of a job: start it now, with the
-    stop signals ignored (ignored signals stay ignored across exec), so it outlives them."""
+    stop signals ignored (ignored signals stay ignored across exec), so it outlives them.
+
+    Ranks that the agent kills (Ctrl-C, a failed peer) leave it the semaphores of their DataLoader
+    workers' queues. It unlinks them when the driver's run ends, and would say so in a warning
+    printed after the driver has gone, under the shell's prompt: it starts with that warning off
+    (a -W option, which multiprocessing passes on to the processes it starts)."""
     from multiprocessing import resource_tracker
 
     previous = {signal.Signals[n]: signal.signal(signal.Signals[n], signal.SIG_IGN) for n in names}
+    sys.warnoptions.append(_TRACKER_LEAK_WARNING)
     try:
         resource_tracker.ensure_running()
     finally:
+        sys.warnoptions.remove(_TRACKER_LEAK_WARNING)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

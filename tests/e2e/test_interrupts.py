@@ -99,6 +99,32 @@ def test_a_signal_that_is_not_a_stop_request_ends_the_run_as_interrupted(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_ctrl_c_leaves_nothing_to_print_after_the_run_has_ended(tmp_path: Path) -> None:
+    # The ranks' DataLoader workers hold semaphores, registered with the resource tracker the driver
+    # started; ranks killed by the agent leave them to it, and it cleans them up once the driver has
+    # ended (after the shell's prompt) with a warning per run: "leaked semaphore objects".
+    log, err = tmp_path / "log", tmp_path / "err"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, "data.num_workers=2"]
+    cmd.append(f"hydra.run.dir={tmp_path / 'run'}")
+    with open(log, "w") as out, open(err, "w") as errors:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=errors, env=dtf_env(), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    below = _descendants(proc.pid)  # the ranks, their workers, the resource tracker
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        assert proc.wait(timeout=90) == 128 + signal.SIGINT
+        deadline = time.monotonic() + 30  # what outlives the driver has ended, and printed what it would
+        while any(Path(f"/proc/{pid}").exists() for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        _signal_all([proc.pid, *below], signal.SIGKILL)
+    lines = err.read_text().strip().splitlines()
+    assert lines[-1].startswith("dtf: interrupted by SIGINT"), lines[-5:]
+    assert "leaked" not in err.read_text() and "Traceback" not in err.read_text(), err.read_text()[-2000:]
+
+
 def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path: Path) -> None:
     # rank 1 sends SIGTERM (a stop request) to the launcher, then raises at its next forward
     run = run_dtf(
