@@ -107,7 +107,8 @@ def run_function(
     if test_set is not None and train_set is None:
         raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
     given = list(overrides or [])
-    cfg, default_dir, _ = _compose([*given, "trainer.fn=null"], config_dir, "run")
+    # The function builds its own models, which no memory check sees beforehand.
+    cfg, default_dir, _ = _compose([*given, "trainer.fn=null", "trainer.memory_check=off"], config_dir, "run")
     frozen = freeze(cfg)
     payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {})))
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
+    MemoryCheck,
     MicsStrategyConfig,
     PetastormDataConfig,
     SlurmLauncherConfig,
@@ -56,6 +57,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         open_sources(run.data, expected_world_size(run.launcher))
         check_canonical_partitions(run, None)
     _check_strategy(cfg, run)
+    _check_memory(cfg, run)
     _check_metrics(cfg, run.trainer)
     _check_performance_switches(cfg, run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
@@ -204,6 +206,40 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             from dtf.strategy.fsdp import find_blocks
 
             find_blocks(model, list(blocks))
+
+
+def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
+    """trainer.memory_check here, before any rank starts, where the ranks run on this machine
+    (dtf.memory.checked_on_driver): the model is built on the meta device, once."""
+    from dtf import memory
+    from dtf.models import build_model
+    from dtf.train.precision import Precision
+
+    t = run.trainer
+    world = expected_world_size(run.launcher)
+    # (a function builds its own models; an elastic run's world is known once its nodes have met)
+    if t.memory_check == MemoryCheck.off or t.fn is not None or world is None:
+        return
+    if not memory.checked_on_driver(run.launcher):
+        return
+    local_ranks = (
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)) if dist_env.launched_externally() else run.launcher.nproc
+    )
+    on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    precision = Precision(t.precision, torch.device("cuda" if on_gpu else "cpu"))
+
+    def shares() -> memory.StateShares:
+        from dtf import strategy  # only for a model too large for a whole replica on every rank
+
+        return strategy.build(run.strategy, t.precision).state_shares(world)
+
+    memory.check_before_start(
+        lambda: precision.convert_model(build_model(cfg.model)),
+        shares,
+        instantiate(cfg.optimizer),
+        memory.Node(local_ranks, precision.device),
+        t.memory_check,
+    )
 
 
 def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:

@@ -46,7 +46,7 @@ class ObjectiveMode(str, Enum):
 
 
 class MemoryCheck(str, Enum):
-    """trainer.memory_check: what to do when the model's state cannot fit (dtf.strategy.memory)."""
+    """trainer.memory_check: what to do when the model's state cannot fit (dtf.memory)."""
 
     refuse = "refuse"  # stop before the run starts, in one line
     warn = "warn"  # say so, and run anyway

@@ -6,7 +6,6 @@ import contextlib
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -21,29 +20,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
-# The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
-# FSDP2 family's MixedPrecisionPolicy compute in it.
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from dtf.memory import WHOLE_REPLICA, OptimizerFactory, StateShares
 
 
 def no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
     """An OptimizerFactory for setup() where the optimizer comes from elsewhere (ZeRO-1's sharded
     one, a function's own): the model is wrapped, and the optimizer returned is None."""
     return None  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class StateShares:
-    """The fractions of the model's parameters, gradients and optimizer state one rank holds at its
-    peak: the formulas of the ZeRO paper (Rajbhandari et al., 2020) and of MiCS."""
-
-    params: float
-    grads: float
-    optim: float
-    formula: str  # in words, for messages: "ZeRO-3: all sharded over 4 ranks"
-    on_host: bool = False  # offloaded: in host memory, whatever the device
 
 
 class Strategy(ABC):
@@ -110,8 +93,8 @@ class Strategy(ABC):
         return build()
 
     def state_shares(self, world_size: int) -> StateShares:
-        """What share of the model's state a rank holds (dtf.strategy.memory estimates from it)."""
-        return StateShares(1, 1, 1, "DDP: a full replica on every rank")
+        """What share of the model's state a rank holds (dtf.memory estimates from it)."""
+        return WHOLE_REPLICA
 
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         """Bytes this rank holds for parameters + gradients + optimizer state."""

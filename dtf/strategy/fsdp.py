@@ -18,7 +18,9 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import AUTOCAST_DTYPES, OptimizerFactory, StateShares, Strategy, initialise
+from dtf.memory import OptimizerFactory, StateShares
+from dtf.strategy.base import Strategy, initialise
+from dtf.train.precision import AUTOCAST_DTYPES
 
 
 def find_blocks(

@@ -38,9 +38,8 @@ from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.memory import OptimizerFactory, StateShares
 from dtf.strategy.base import (
-    OptimizerFactory,
-    StateShares,
     local_state_bytes,
     materialise_whole,
     no_optimizer,

@@ -14,21 +14,20 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
 
-from dtf import failures
+from dtf import failures, memory
 from dtf import strategy as strategies
-from dtf.config.schema import PetastormDataConfig
+from dtf.config.schema import MemoryCheck, PetastormDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
+from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
-from dtf.strategy import memory
 from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
@@ -136,9 +135,19 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
     strategy = strategies.build(run.strategy, t.precision)
     scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
     precision = Precision(t.precision, env.device, scaler)
-    # Before anything is allocated: can this node hold the model's state under this strategy?
+    # Before anything is allocated: can this node hold the model's state under this strategy? (Where
+    # the driver runs on this machine it refused already; the estimate is the summary's all the same.)
     as_built = lambda: precision.convert_model(build_model(run.composed.model))  # noqa: E731
-    estimate = memory.check(as_built, strategy, instantiate(run.composed.optimizer), env, t.memory_check)
+    by_driver = memory.checked_on_driver(run.launcher)
+    speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0 and not by_driver  # one line per node, if any
+    node = memory.Node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), env.device, speaks)
+    mode = MemoryCheck.off if by_driver else t.memory_check
+    estimate = None
+    if t.memory_check != MemoryCheck.off:
+        shares = strategy.state_shares(env.world_size)
+        estimate = memory.estimate_built(as_built, instantiate(run.composed.optimizer), shares, node.speaks)
+    if estimate is not None:
+        memory.judge(estimate, node, mode)
     model = precision.convert_model(strategy.build_model(lambda: build_model(run.composed.model)))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
@@ -147,13 +156,6 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
         )
     blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
     return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
-
-
-def build_model(cfg: DictConfig) -> nn.Module:
-    """One module by _target_, or a mapping of names to module configs (several modules, as in a GAN)."""
-    if "_target_" in cfg:
-        return instantiate(cfg)
-    return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
 
 
 def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Path | None:

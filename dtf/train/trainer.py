@@ -101,7 +101,7 @@ class Trainer:
         self.train_metrics = train_metrics  # on the current epoch's training batches (none unless asked)
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
-        self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.strategy.memory)
+        self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.memory)
         self.step_times: list[float] = []
         self.beat = heartbeat or Heartbeat(None, env.rank, 0)  # what this rank does, for the driver
         self.beat.step_times = self.step_times
