@@ -57,7 +57,6 @@ def validate(cfg: DictConfig) -> RunConfig:
         open_sources(run.data, expected_world_size(run.launcher))
         check_canonical_partitions(run, None)
     _check_strategy(cfg, run)
-    _check_memory(cfg, run)
     _check_metrics(cfg, run.trainer)
     _check_performance_switches(cfg, run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
@@ -79,6 +78,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         if node is not None:
             for path, target_node in _targets(node, section):
                 _check_target(path, target_node)
+    _check_memory(cfg, run)  # last: it builds the model (on the meta device) from what is checked above
     return run
 
 
@@ -213,7 +213,6 @@ def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
     (dtf.memory.checked_on_driver): the model is built on the meta device, once."""
     from dtf import memory
     from dtf.models import build_model
-    from dtf.train.precision import Precision
 
     t = run.trainer
     world = expected_world_size(run.launcher)
@@ -226,19 +225,19 @@ def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
         int(os.environ.get("LOCAL_WORLD_SIZE", world)) if dist_env.launched_externally() else run.launcher.nproc
     )
     on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-    precision = Precision(t.precision, torch.device("cuda" if on_gpu else "cpu"))
+
+    def built() -> torch.nn.Module:  # as dtf.train.precision.Precision.convert_model has it
+        model = build_model(cfg.model)
+        return model.to(torch.bfloat16) if t.precision == "bf16-true" else model
 
     def shares() -> memory.StateShares:
         from dtf import strategy  # only for a model too large for a whole replica on every rank
 
         return strategy.build(run.strategy, t.precision).state_shares(world)
 
+    device = torch.device("cuda" if on_gpu else "cpu")
     memory.check_before_start(
-        lambda: precision.convert_model(build_model(cfg.model)),
-        shares,
-        instantiate(cfg.optimizer),
-        memory.Node(local_ranks, precision.device),
-        t.memory_check,
+        built, shares, instantiate(cfg.optimizer), memory.Node(local_ranks, device), t.memory_check
     )
 
 

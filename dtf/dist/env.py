@@ -8,7 +8,6 @@ module only reads them, so nothing else in dtf needs to know the launcher.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dtf.dist.network import is_loopback, listen_on, loopback_interface
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -117,39 +118,6 @@ def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, tim
         multi_tenant=True,
         master_listen_fd=listener.detach(),
     )
-
-
-def listen_on(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host's (IPv4) address only. OSError when it cannot be had (the
-    port is taken, the address is not this machine's)."""
-    address = socket.gethostbyname(host)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server does
-        listener.bind((address, port))
-        listener.listen(2048)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def loopback_interface() -> str:
-    """The name of this machine's loopback network interface (lo on Linux)."""
-    from dtf.launch.nodes import interface_address
-
-    for _, name in socket.if_nameindex():
-        address = interface_address(name)
-        if address is not None and ipaddress.ip_address(address).is_loopback:
-            return name
-    return "lo"
 
 
 def broadcast_from_main(obj: Any) -> Any:

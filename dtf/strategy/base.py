@@ -22,6 +22,10 @@ from torch.optim import Optimizer
 from dtf.dist.env import DistEnv
 from dtf.memory import WHOLE_REPLICA, OptimizerFactory, StateShares
 
+# The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
+# FSDP2 family's MixedPrecisionPolicy compute in it.
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
 
 def no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
     """An OptimizerFactory for setup() where the optimizer comes from elsewhere (ZeRO-1's sharded

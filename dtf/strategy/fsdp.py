@@ -19,8 +19,7 @@ from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.memory import OptimizerFactory, StateShares
-from dtf.strategy.base import Strategy, initialise
-from dtf.train.precision import AUTOCAST_DTYPES
+from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
 
 
 def find_blocks(

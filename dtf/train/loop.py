@@ -293,7 +293,7 @@ def between_nodes(env: dist_env.DistEnv) -> str:
     listen on (on one machine, loopback alone: nothing to say)."""
     if env.world_size <= int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)):
         return ""
-    from dtf.launch.nodes import interface_address
+    from dtf.dist.network import interface_address
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
     if not interface:

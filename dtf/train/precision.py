@@ -26,9 +26,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-# The low dtype of each mixed trainer.precision: the loop's autocast and the FSDP2 family's
-# MixedPrecisionPolicy compute in it.
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from dtf.strategy.base import AUTOCAST_DTYPES
 
 
 class Precision:
