@@ -232,6 +232,50 @@ def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight
     _same_run(resumed, straight_failing)
 
 
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun, save: str
+) -> None:
+    # sync: the test kills rank 1 (SIGKILL) the moment step 40's checkpoint folder appears, while the
+    # ranks write it (tens of ms here). async: rank 1 kills itself at step 45, training on while
+    # step 40's checkpoint is written in the background, committed only at the exchange of step 50.
+    # Either way step 40 is never committed; the rerun continues from step 20.
+    run_dir = tmp_path / "run"
+    if save == "async":
+        killed = run_dtf([*FAILING, "checkpoint.async_save=true", "+model.how=kill", "+model.fail_at_call=52"], run_dir)
+        code, err = killed.returncode, killed.stderr
+    else:
+        cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", "+model.delay_s=0.02"]
+        with open(tmp_path / "err", "w") as errors:
+            proc = subprocess.Popen(
+                [*cmd, f"hydra.run.dir={run_dir}"], stderr=errors, stdout=subprocess.DEVNULL, env=dtf_env()
+            )
+        try:
+            from dtf.train.heartbeat import path_of, read
+
+            deadline = time.monotonic() + 120
+            beat = None
+            while beat is None and proc.poll() is None and time.monotonic() < deadline:
+                beat = read(path_of(run_dir, 1))
+                time.sleep(0.05)
+            step_40 = run_dir / "checkpoints" / f"step_{40:09d}"
+            while not step_40.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert beat is not None
+            os.kill(beat.pid, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = (tmp_path / "err").read_text()
+    assert code == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("dtf: error: rank 1 failed: killed by signal SIGKILL"), err[-2000:]
+    assert _steps(run_dir / "checkpoints") == [20]
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    assert resumed.summary["resumed_from_step"] == 20
+    _same_run(resumed, straight_failing)
+
+
 def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
     args = [*COMMON, "checkpoint.keep_last=3"]
     straight = straight_ddp

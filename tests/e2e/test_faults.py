@@ -208,3 +208,45 @@ def test_a_script_without_a_main_guard_runs_and_names_no_class_of_its_own(tmp_pa
     ), done.stdout[-3000:]
     assert lines[-1] == "steps: 3", done.stdout[-3000:]
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
+def _parquet(directory: Path, files: int, rows: int) -> Path:
+    """Plain Parquet as pyarrow writes it: `features` (2 floats) and `y`, z = sin(y) + cos(x)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True)
+    for i in range(files):
+        x = np.random.default_rng(i).uniform(-5, 5, size=(rows, 2)).astype(np.float32)
+        table = pa.table({"features": pa.array(list(x)), "y": pa.array(np.sin(x[:, 1]) + np.cos(x[:, 0]))})
+        pq.write_table(table, directory / f"part-{i}.parquet")
+    return directory
+
+
+PARQUET = ["data=petastorm", "data.label_column=y", "data.feature_columns=[features]"]
+
+
+def test_a_parquet_file_deleted_while_the_run_reads_is_one_line_in_bounded_time(tmp_path: Path) -> None:
+    # Rank 1 deletes one of the 4 files at its 3rd step; the epochs after it cannot read it.
+    data = _parquet(tmp_path / "data", files=4, rows=500)
+    remove = ["model._target_=user_models.FailingModel", "+model.how=remove", "+model.fail_at_call=3"]
+    started = time.monotonic()
+    run = run_dtf(
+        [*PARQUET, f"data.path={data}", *remove, f"+model.fill_path={data / 'part-3.parquet'}"], tmp_path / "run"
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"dtf: error: data.path=file://{data}"), run.stderr[-3000:]
+    assert time.monotonic() - started < 120  # not the collective timeout (TEST_DEFAULTS: 60 s) and its grace
+
+
+def test_data_too_small_for_every_rank_to_have_a_batch_is_refused_on_the_driver(tmp_path: Path) -> None:
+    data = _parquet(tmp_path / "data", files=1, rows=10)
+    run = run_dtf([*PARQUET, f"data.path={data}", "data.batch_size=8"], tmp_path / "run")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [
+        f"dtf: error: data.path=file://{data} has 10 rows, fewer than world size x data.batch_size = 2 x 8 = 16: every "
+        "rank needs a full batch; lower data.batch_size, start fewer ranks, or add rows"
+    ]
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started

@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 class FailingModel(nn.Module):
     """Fails on one rank at its n-th forward (training and evaluation calls both count; with at_eval,
     its n-th evaluation call): how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of
-    SIGKILL), "hang" (never returns; writes the time it hung to fill_path, if given), "fill_disk"
+    SIGKILL), "hang" (never returns; writes the time it hung to fill_path, if given), "remove"
+    (deletes the file fill_path), "fill_disk"
     (fills the file system of fill_path with a file there, then goes on), "SIG<NAME>" (sends
     itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
     eval_delay_s: every evaluation forward sleeps that long.
@@ -74,6 +75,9 @@ class FailingModel(nn.Module):
                 if self.fill_path is not None:  # when it hung, for the test to time what follows
                     Path(self.fill_path).write_text(str(time.time()))
                 threading.Event().wait()
+            elif self.how == "remove":  # a file of the run's data, say, gone from under it
+                assert self.fill_path is not None, "how=remove needs fill_path"
+                os.remove(self.fill_path)
             elif self.how == "fill_disk":
                 assert self.fill_path is not None, "how=fill_disk needs fill_path"
                 fill(self.fill_path)
