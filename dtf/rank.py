@@ -112,13 +112,14 @@ def prepare_process(run: RunConfig) -> StopRequest:
     """The rank's environment, its share of the machine's cores, and its stop-signal handlers."""
     import torch
 
-    from dtf.machine import threads_per_rank
+    from dtf.machine import THREADS_CHOSEN, threads_per_rank
     from dtf.signals import StopRequest
 
     for key, value in run.launcher.env.items():
         os.environ.setdefault(str(key), str(value))
     if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a machine split its cores
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        os.environ[THREADS_CHOSEN] = "1"
     # From the start: a stop signal that arrives while the run is still setting up is not lost.
     return StopRequest(run.checkpoint.stop_signals, sigint_kills=True)
 

@@ -42,7 +42,7 @@ from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch import stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
-from dtf.machine import threads_per_rank
+from dtf.machine import THREADS_CHOSEN, threads_per_rank
 from dtf.results import RunResult, Stopped
 
 
@@ -248,10 +248,13 @@ def sized_thread_pools(nproc: int, configured: Any = None) -> Iterator[None]:
         yield
         return
     os.environ["OMP_NUM_THREADS"] = str(configured or threads_per_rank(nproc))
+    if not configured:
+        os.environ[THREADS_CHOSEN] = "1"  # the ranks' start line may say so
     try:
         yield
     finally:
         del os.environ["OMP_NUM_THREADS"]
+        os.environ.pop(THREADS_CHOSEN, None)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from dtf.data import loader
 from dtf.data.loader import EvalData, TrainData
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
+from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
@@ -280,6 +281,9 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
         f"lr x{scale:g} ({t.lr_scaling.value} scaling){between_nodes(env)}; run dir {run_dir}",
         flush=True,
     )
+    note = lone_rank_threads_note() if env.world_size == 1 else None
+    if note:
+        print(f"dtf: {note}", flush=True)
     if t.warmup_steps >= trainer.schedule.plan.total:
         print(
             f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "
