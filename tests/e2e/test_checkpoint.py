@@ -196,16 +196,21 @@ def test_a_stop_signal_during_evaluation_ends_it_and_the_rerun_ends_as_the_strai
     _same_run(resumed, straight_failing)
 
 
+def _start_slowed(run_dir: Path, err: Path, delay_s: float) -> subprocess.Popen[bytes]:
+    """FAILING (its failure off) in the background, every forward delay_s longer; stderr to err."""
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", f"+model.delay_s={delay_s}"]
+    with open(err, "w") as errors:
+        return subprocess.Popen(
+            [*cmd, f"hydra.run.dir={run_dir}"], stderr=errors, stdout=subprocess.DEVNULL, env=dtf_env()
+        )
+
+
 def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight_run(
     tmp_path: Path, straight_failing: DtfRun
 ) -> None:
     # SIGTERM twice to `python -m dtf`, as an impatient user or a scheduler's second notice: "now".
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", "+model.delay_s=0.05"]
-    with open(tmp_path / "err", "w") as err:
-        proc = subprocess.Popen(
-            [*cmd, f"hydra.run.dir={run_dir}"], stderr=err, stdout=subprocess.DEVNULL, env=dtf_env()
-        )
+    proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.05)
     try:
         deadline = time.monotonic() + 120
         while not _steps(run_dir / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
@@ -245,11 +250,7 @@ def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run
         killed = run_dtf([*FAILING, "checkpoint.async_save=true", "+model.how=kill", "+model.fail_at_call=52"], run_dir)
         code, err = killed.returncode, killed.stderr
     else:
-        cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", "+model.delay_s=0.02"]
-        with open(tmp_path / "err", "w") as errors:
-            proc = subprocess.Popen(
-                [*cmd, f"hydra.run.dir={run_dir}"], stderr=errors, stdout=subprocess.DEVNULL, env=dtf_env()
-            )
+        proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.02)
         try:
             from dtf.train.heartbeat import path_of, read
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TEST_DEFAULTS, dtf_env, run_dtf
+from tests.helpers.sockets import descendants
 
 # A long run whose every forward sleeps: a signal always lands in the middle of training.
 SLOW = [
@@ -24,23 +25,6 @@ SLOW = [
     "trainer.log_every_n_steps=10",
     "checkpoint.every_n_steps=20",
 ]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (its children, theirs, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
@@ -64,17 +48,17 @@ def _interrupt(
         time.sleep(0.05)
     assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
     if every:
-        _signal_all([proc.pid, *_descendants(proc.pid)], sig)
+        _signal_all([proc.pid, *descendants(proc.pid)], sig)
     elif group:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
-    ranks = _descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
+    ranks = descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
     try:
         code = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
-            _signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
+            _signal_all([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
         _signal_all(ranks, signal.SIGKILL)  # none left, unless the driver died before them
     return code, (tmp_path / "err").read_text()
 
@@ -111,7 +95,7 @@ def test_ctrl_c_leaves_nothing_to_print_after_the_run_has_ended(tmp_path: Path) 
     deadline = time.monotonic() + 120
     while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    below = _descendants(proc.pid)  # the ranks, their workers, the resource tracker
+    below = descendants(proc.pid)  # the ranks, their workers, the resource tracker
     os.killpg(proc.pid, signal.SIGINT)
     try:
         assert proc.wait(timeout=90) == 128 + signal.SIGINT

@@ -1,4 +1,4 @@
-"""The TCP sockets a set of processes listens on, from /proc (Linux): each process's socket inodes
+"""The processes below a process, and the TCP sockets a set of processes listens on, from /proc
 (/proc/<pid>/fd) matched with the listening sockets of its network namespace (/proc/<pid>/net/tcp,
 tcp6). Standard library only: a rank imports it too (ListeningSockets in user_models)."""
 
