@@ -1,6 +1,7 @@
 """The processes below a process, and the TCP sockets a set of processes listens on, from /proc
-(/proc/<pid>/fd) matched with the listening sockets of its network namespace (/proc/<pid>/net/tcp,
-tcp6). Standard library only: a rank imports it too (ListeningSockets in user_models)."""
+(Linux): each process's socket inodes (/proc/<pid>/fd) matched with the listening sockets of its
+network namespace (/proc/<pid>/net/tcp, tcp6). Standard library only: a rank imports it too
+(ListeningSockets in user_models)."""
 
 from __future__ import annotations
 
