@@ -60,8 +60,9 @@ def run(
     cfg, default_dir, _ = _compose(list(overrides or []), config_dir, "run")
     frozen = freeze(cfg)  # bad input raises here, before anything is written
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
-    _write_hydra_files(cfg, list(overrides or []), directory)
-    result = launch_frozen(frozen, str(directory))
+    with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
+        _write_hydra_files(cfg, list(overrides or []), directory)
+        result = launch_frozen(frozen, str(directory))
     return _summary(result, str(directory), stop_line)
 
 
@@ -136,20 +137,23 @@ def run_function(
     frozen = freeze(cfg)
     payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {}), mode, args, dict(kwargs or {})))
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
-    _write_hydra_files(cfg, list(overrides or []), directory)
-    # a name for the launchers' logs (a partial has none)
-    rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
-    result = launch_frozen(frozen, str(directory), rank_fn)
+    with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
+        _write_hydra_files(cfg, list(overrides or []), directory)
+        # a name for the launchers' logs (a partial has none)
+        rank_fn = functools.update_wrapper(functools.partial(rank_main, payload=payload), rank_main)
+        result = launch_frozen(frozen, str(directory), rank_fn)
     summary = _summary(result, str(directory), stop_line)
     return summary.get("returned") if mode == TORCHRUN else summary
 
 
 def _function_config(overrides: list[str], config_dir: str | None) -> tuple[DictConfig, str]:
     """The config of a dtf.run_function run: trainer.fn names the placeholder of a shipped function
-    (its objective is then any key the function returns, dtf.preflight)."""
+    (its objective is then any key the function returns, dtf.preflight). The function builds its
+    own models, which no memory check sees beforehand."""
     from dtf.train.function import SHIPPED
 
-    cfg, default_dir, _ = _compose([*overrides, f"trainer.fn={{_target_:{SHIPPED},_partial_:true}}"], config_dir, "run")
+    fn = f"trainer.fn={{_target_:{SHIPPED},_partial_:true}}"
+    cfg, default_dir, _ = _compose([*overrides, fn, "trainer.memory_check=off"], config_dir, "run")
     return cfg, default_dir
 
 
@@ -243,6 +247,15 @@ def _no_hydra_running() -> Iterator[None]:
         GlobalHydra.instance().clear()
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
+
+
+def _holding(run: RunConfig, run_dir: Path, key: str) -> contextlib.AbstractContextManager[None]:
+    """The run dir held by this process while the run uses it, where the driver holds it (dtf.rundir)."""
+    from dtf import launch, rundir
+
+    if launch.driver_holds_run_dir(run.launcher):
+        return rundir.holding(run_dir, key)
+    return contextlib.nullcontext()
 
 
 def _write_hydra_files(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:

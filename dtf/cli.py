@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dtf import hydra_sweep, launch
+from dtf import hydra_sweep, launch, rundir
 from dtf.config.keys import config_error_line
 from dtf.config.typed import RunConfig
 from dtf.errors import Interrupted, RankFailedError, UserError
@@ -69,9 +69,11 @@ def check(cfg: DictConfig) -> RunConfig:
 
 
 def launch_frozen(run: RunConfig, run_dir: str, rank_fn: WorkerFn = rank_main) -> RunResult | None:
-    # Where checkpoint.resume=auto looks is known only now: a recorded data sequence the world size cannot use.
-    check_canonical_partitions(run, Path(run_dir))
-    return launch.build(run).launch(rank_fn, run.composed, run_dir)
+    # Before anything reads or writes the run dir: another run that holds it refuses this one.
+    with rundir.holding(run_dir) if launch.driver_holds_run_dir(run.launcher) else contextlib.nullcontext():
+        # Where checkpoint.resume=auto looks is known only now: a recorded data sequence the world size cannot use.
+        check_canonical_partitions(run, Path(run_dir))
+        return launch.build(run).launch(rank_fn, run.composed, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:
@@ -111,6 +113,13 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _make_dir(config.hydra.run.dir, "hydra.run.dir")
+        if launch.driver_holds_run_dir(config.launcher):
+            # Before Hydra writes .hydra/ there: a run that holds the dir keeps its record of itself.
+            try:
+                rundir.hold(config.hydra.run.dir)
+            except UserError as e:
+                print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_USER_ERROR) from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _make_dir(config.hydra.sweep.dir, "hydra.sweep.dir")

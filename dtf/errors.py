@@ -4,6 +4,23 @@
 class UserError(Exception):
     """A bad setting or input: the message names the key and the fix."""
 
+    # Raised alike by every rank at the same point (a checkpoint that does not fit the model, a full
+    # disk): the driver names no rank, which would only be whichever happened to record first.
+    every_rank = False
+
+
+class EveryRankUserError(UserError):
+    """Bad input that every rank finds at once."""
+
+    every_rank = True
+
+
+class TrainingFailed(Exception):
+    """The run cannot go on, and it is neither bad input nor a bug (training diverged): one line
+    without a traceback, exit status 1. Every rank raises it at the same step."""
+
+    every_rank = True
+
 
 def require(ok: bool, key: str, value: object, rule: str) -> None:
     """The one-line refusal of a bad setting: `key=value is invalid: rule` (rule says the fix)."""

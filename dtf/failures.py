@@ -10,15 +10,18 @@ these without importing the training stack.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import re
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dtf.errors import RankFailedError, UserError, user_error_in
+from dtf.errors import RankFailedError, TrainingFailed, UserError, user_error_in
 from dtf.files import write_atomically
 
 FAILURES_DIR = Path("logs") / "failures"
@@ -34,12 +37,15 @@ class RankFailure:
     time_ns: int
     user_error: bool
     message: str  # the UserError's text, or "<ExceptionType>: <first line>"
-    traceback: str
+    traceback: str  # empty for dtf.errors.TrainingFailed, told in one line
+    every_rank: bool = False  # every rank raised it at the same point: the driver names no rank
 
     def error(self, logs: str | None = None) -> UserError:
         """The error the driver reports: the user's one line, or which rank failed and how."""
         if self.user_error:  # bad input, found where the ranks run (exit status 2, as on the driver)
-            return UserError(f"{self.message} (rank {self.rank})")
+            return UserError(self.message if self.every_rank else f"{self.message} (rank {self.rank})")
+        if self.every_rank:  # the run failed as a whole (it diverged): the line says why
+            return RankFailedError(self.message)
         where = f" (its logs: {logs})" if logs else ""
         return RankFailedError(f"rank {self.rank} failed: {self.message}{where}")
 
@@ -50,37 +56,80 @@ class RankFailure:
         return found.group(1) if found else None
 
 
-def _attempt_dir(run_dir: str | Path, attempt: int) -> Path:
-    return Path(run_dir) / FAILURES_DIR / f"attempt_{attempt}"
+def _roots(run_dir: str | Path) -> list[Path]:
+    """Where records go: the run dir's logs, and where a rank that cannot write there (its disk
+    is full) puts its record instead: a directory of this run dir's under the temp dir."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return [Path(run_dir) / FAILURES_DIR, Path(tempfile.gettempdir()) / "dtf-failures" / digest]
+
+
+def _attempt_dir(root: Path, attempt: int) -> Path:
+    return root / f"attempt_{attempt}"
 
 
 def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -> RankFailure:
-    """In a rank, as it fails: keep why (atomically: a peer's kill may follow at once)."""
+    """In a rank, as it fails: keep why (atomically: a peer's kill may follow at once). Where the
+    record cannot be written (a full disk), the rank says why on its stderr instead."""
     user = user_error_in(error)
-    text = str(error).strip()
-    message = str(user) if user else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-    failure = RankFailure(rank, time.time_ns(), user is not None, message, traceback.format_exc())
-    path = _attempt_dir(run_dir, attempt) / f"rank_{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps(asdict(failure)))
+    failed = isinstance(error, TrainingFailed)
+    cause = _first_cause(error)
+    text = str(cause).strip()
+    message = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    if user or failed:
+        message = str(user or error)
+    every_rank = bool(getattr(user or error, "every_rank", False))
+    trace = "" if failed else traceback.format_exc()
+    failure = RankFailure(rank, time.time_ns(), user is not None, message, trace, every_rank)
+    problem = write(run_dir, attempt, failure)
+    if problem is not None:
+        with contextlib.suppress(OSError):  # stderr may be a log file on the same full disk
+            sys.stderr.write(f"dtf: rank {rank} failed ({message}) and could not record it ({problem})\n")
+            sys.stderr.flush()
     return failure
+
+
+def write(run_dir: str | Path, attempt: int, failure: RankFailure) -> OSError | None:
+    """Keeps a failure record (a rank's own, or the driver's about a rank: a stalled one); the
+    error when it could be written nowhere."""
+    problem = None
+    for root in _roots(run_dir):
+        path = _attempt_dir(root, attempt) / f"rank_{failure.rank}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(asdict(failure)))
+            return None
+        except OSError as e:
+            problem = e
+    return problem
+
+
+def _first_cause(error: BaseException) -> BaseException:
+    """torch.distributed.checkpoint wraps what went wrong on each rank in one CheckpointException
+    (a BaseException): the lowest rank's own error says what it was."""
+    wrapped = getattr(error, "failures", None)
+    if isinstance(wrapped, dict) and wrapped:
+        inner = wrapped[min(wrapped)]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return inner[0]
+    return error
 
 
 def recorded(run_dir: str | Path, attempt: int | None = None) -> dict[int, RankFailure]:
     """Every rank's record, in the given attempt (default: the newest one recorded)."""
-    root = Path(run_dir) / FAILURES_DIR
+    roots = _roots(run_dir)
     if attempt is None:
-        attempts = sorted((int(p.name.removeprefix("attempt_")) for p in root.glob("attempt_*")), reverse=True)
+        attempts = [int(p.name.removeprefix("attempt_")) for root in roots for p in root.glob("attempt_*")]
         if not attempts:
             return {}
-        attempt = attempts[0]
+        attempt = max(attempts)
     found = {}
-    for path in _attempt_dir(run_dir, attempt).glob("rank_*.json"):
-        try:
-            failure = RankFailure(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # half a record: its rank was killed while writing it
-        found[failure.rank] = failure
+    for root in reversed(roots):  # the run dir's record of a rank wins
+        for path in _attempt_dir(root, attempt).glob("rank_*.json"):
+            try:
+                failure = RankFailure(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue  # half a record: its rank was killed while writing it
+            found[failure.rank] = failure
     return found
 
 
@@ -95,9 +144,9 @@ def oldest(records: dict[int, RankFailure]) -> RankFailure | None:
 
 def clear(run_dir: str | Path) -> None:
     """On the driver, before the ranks start: an earlier run in this run dir does not get the blame."""
-    root = Path(run_dir) / FAILURES_DIR
-    for path in sorted(root.glob("attempt_*/rank_*.json")):
-        path.unlink(missing_ok=True)
+    for root in _roots(run_dir):
+        for path in sorted(root.glob("attempt_*/rank_*.json")):
+            path.unlink(missing_ok=True)
 
 
 def report(failure: RankFailure, logs: str | None = None) -> UserError:

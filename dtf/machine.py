@@ -9,11 +9,29 @@ from pathlib import Path
 
 from dtf.errors import UserError
 
+# Set for the ranks where dtf, not the user, chose their threads.
+THREADS_CHOSEN = "DTF_THREADS_CHOSEN"
+
 
 def threads_per_rank(ranks_here: int) -> int:
     """Intra-op threads for each of ranks_here ranks sharing this machine's cores: its share of
-    them, so the ranks' thread pools do not fight over the cores (as torchrun sizes them)."""
-    return max(1, (os.cpu_count() or 1) // ranks_here)
+    them, so the ranks' thread pools do not fight over the cores (as torchrun sizes them). A lone
+    rank gets what one of two would: on the 2-core machines dtf is measured on (shared with other
+    work), two intra-op threads made one rank's steps 1.2 to 6.8 times slower than one thread did
+    (docs/performance.md), and results differ between 1 and 2 threads (reduction order)."""
+    return max(1, (os.cpu_count() or 1) // max(2, ranks_here))
+
+
+def lone_rank_threads_note() -> str | None:
+    """What a lone rank's start line says about its threads, where dtf chose them."""
+    cores = os.cpu_count() or 1
+    if os.environ.get(THREADS_CHOSEN) != "1" or cores < 2:
+        return None
+    threads = threads_per_rank(1)
+    return (
+        f"one rank on {cores} cores uses {threads} intra-op thread(s), as one of two ranks would "
+        f"(launcher.env.OMP_NUM_THREADS={cores} to use them all)"
+    )
 
 
 def require_java(what: str) -> None:

@@ -28,6 +28,7 @@ from dtf.config.keys import SECTIONS, unknown_top_level_line
 from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
+    MemoryCheck,
     MicsStrategyConfig,
     ParquetDataConfig,
     SlurmLauncherConfig,
@@ -81,6 +82,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         if node is not None:
             for path, target_node in _targets(node, section):
                 _check_target(path, target_node)
+    _check_memory(cfg, run)  # last: it builds the model (on the meta device) from what is checked above
     return run
 
 
@@ -208,6 +210,39 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             from dtf.strategy.fsdp import find_blocks
 
             find_blocks(model, list(blocks))
+
+
+def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
+    """trainer.memory_check here, before any rank starts, where the ranks run on this machine
+    (dtf.memory.checked_on_driver): the model is built on the meta device, once."""
+    from dtf import memory
+    from dtf.models import build_model
+
+    t = run.trainer
+    world = expected_world_size(run.launcher)
+    # (a function builds its own models; an elastic run's world is known once its nodes have met)
+    if t.memory_check == MemoryCheck.off or t.fn is not None or world is None:
+        return
+    if not memory.checked_on_driver(run.launcher):
+        return
+    local_ranks = (
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)) if dist_env.launched_externally() else run.launcher.nproc
+    )
+    on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+
+    def built() -> torch.nn.Module:  # as dtf.train.precision.Precision.convert_model has it
+        model = build_model(cfg.model)
+        return model.to(torch.bfloat16) if t.precision == "bf16-true" else model
+
+    def shares() -> memory.StateShares:
+        from dtf import strategy  # only for a model too large for a whole replica on every rank
+
+        return strategy.build(run.strategy, t.precision).state_shares(world)
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    memory.check_before_start(
+        built, shares, instantiate(cfg.optimizer), memory.Node(local_ranks, device), t.memory_check
+    )
 
 
 def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
@@ -344,6 +379,14 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
 
 def _check_target(path: str, node: DictConfig) -> None:
     target = str(node._target_)
+    if target.startswith("__main__."):
+        # The ranks are fresh processes that never run the script (dtf.launch.local.ranks_without_main).
+        name = target.removeprefix("__main__.")
+        raise UserError(
+            f"{path}._target_={target} names {name} in the script that runs dtf, which the ranks do not run: put "
+            f"{name} in a module of its own that they can import (a .py file next to the script, on PYTHONPATH) and "
+            f"name it there, or pass it to dtf.run_function(module={name}), which ships it to the ranks"
+        )
     try:
         obj = _locate(str(target))
     except Exception as e:  # _locate raises ImportError with the real cause chained

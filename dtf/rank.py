@@ -10,6 +10,7 @@ names rank_main, does not pay for importing it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from dtf import failures
+from dtf import failures, rundir
 from dtf.errors import user_error_in
 from dtf.results import EXIT_USER_ERROR, RunResult
 
@@ -38,7 +39,9 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
     payload: dtf.run_function's function and objects."""
     try:
         return run_rank(cfg, run_dir, payload)
-    except Exception as e:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         from dtf.dist.env import attempt_number, rank_from_env
 
         failure = failures.record(run_dir, rank_from_env(), attempt_number(), e)
@@ -52,7 +55,8 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
                 # error file, in the rank's log directory, which the driver names
                 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-                get_error_handler().record_exception(e)
+                with contextlib.suppress(OSError):  # a full disk: the record above said it already
+                    get_error_handler().record_exception(e)
             sys.stdout.flush()
             sys.stderr.flush()
             if failure.lost_peer:
@@ -88,6 +92,10 @@ def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Run
         run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
+    if env.is_main and not (rundir.held_by_parent(directory) or run.launcher.name == "spark"):
+        # No driver holds it for the whole run (SLURM, torchrun, several nodes): rank 0 does,
+        # before anything reads or writes there (dtf.launch.driver_holds_run_dir).
+        rundir.hold(directory)
     if across_nodes:
         from dtf.launch.nodes import record_nodes
 
@@ -112,13 +120,14 @@ def prepare_process(run: RunConfig) -> StopRequest:
     """The rank's environment, its share of the machine's cores, and its stop-signal handlers."""
     import torch
 
-    from dtf.machine import threads_per_rank
+    from dtf.machine import THREADS_CHOSEN, threads_per_rank
     from dtf.signals import StopRequest
 
     for key, value in run.launcher.env.items():
         os.environ.setdefault(str(key), str(value))
     if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a machine split its cores
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        os.environ[THREADS_CHOSEN] = "1"
     # From the start: a stop signal that arrives while the run is still setting up is not lost.
     return StopRequest(run.checkpoint.stop_signals, sigint_kills=True)
 

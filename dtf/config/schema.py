@@ -46,11 +46,19 @@ class ObjectiveMode(str, Enum):
 
 
 class MemoryCheck(str, Enum):
-    """trainer.memory_check: what to do when the model's state cannot fit (dtf.strategy.memory)."""
+    """trainer.memory_check: what to do when the model's state cannot fit (dtf.memory)."""
 
     refuse = "refuse"  # stop before the run starts, in one line
     warn = "warn"  # say so, and run anyway
     off = "off"
+
+
+class NonFinite(str, Enum):
+    """trainer.on_nonfinite: a step whose loss or gradients are not finite (dtf.train.nonfinite)."""
+
+    stop = "stop"  # end the run at that step, in one line naming it (exit status 1)
+    skip = "skip"  # leave the step out (no update) and count it
+    ignore = "ignore"  # train on (no check)
 
 
 class Progress(str, Enum):
@@ -111,6 +119,14 @@ class TrainerConfig:
     # each rank will hold, by the strategy's ZeRO formula, against this node's free memory (the
     # GPU's on CUDA). refuse: stop with one line when they cannot fit; warn: say so and run.
     memory_check: MemoryCheck = MemoryCheck.refuse
+    # A step whose loss or gradients are NaN or inf: stop (end the run there, naming the step; no
+    # checkpoint or model.pt is written from a non-finite state), skip (no update; counted in
+    # summary.json's nonfinite_steps_skipped) or ignore (train on).
+    on_nonfinite: NonFinite = NonFinite.stop
+    # A run none of whose ranks makes progress for this long is stalled: the driver names the
+    # rank(s) that got the least far and kills them (dtf.launch.stalls). null: the larger of 300 s
+    # and 50 median step times. Start-up, the first step and checkpoint saves get dist_timeout_s.
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self._check_performance_switches()
@@ -151,6 +167,12 @@ class TrainerConfig:
         require(self.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", self.eval_every_n_epochs, "use 1 or more")
         require(
             self.dist_timeout_s > 0, "trainer.dist_timeout_s", self.dist_timeout_s, "use a positive number of seconds"
+        )
+        require(
+            self.stall_timeout_s is None or self.stall_timeout_s > 0,
+            "trainer.stall_timeout_s",
+            self.stall_timeout_s,
+            "use a positive number of seconds, or null for the default (300 s or 50 step times)",
         )
         require(
             self.num_warmup_timing_steps >= 0,

@@ -7,13 +7,17 @@ module only reads them, so nothing else in dtf needs to know the launcher.
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dtf.dist.network import is_loopback, listen_on, loopback_interface
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -69,15 +73,51 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 1800.0)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # a plain single process: a group of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if is_loopback(address):  # every rank is on this machine: gloo too stays on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        # torchrun shares its agent's store with the ranks (they are all its clients); otherwise
+        # rank 0 hosts the group's store, as init_process_group's env:// would, but only on the
+        # address the ranks are told (the store has no authentication).
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = tcp_store(address, port, world_size, rank == 0 and not agent_store, timedelta(seconds=timeout_s))
         dist.init_process_group(
             backend=pick_backend(backend, dev),
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """torch's TCPStore, whose server (is_master) listens only on host's address, not on every
+    interface as TCPStore's own does: a socket bound there is handed to it. port 0: any free one."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
+    try:
+        listener = listen_on(host, port)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        print(
+            f"dtf: warning: {host} is not an address of this machine, where rank 0 hosts the process group's "
+            "store: it listens on every interface",
+            flush=True,
+        )
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+    return dist.TCPStore(
+        host,
+        listener.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def broadcast_from_main(obj: Any) -> Any:
@@ -94,10 +134,9 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port free on every interface of this host (peers on other hosts connect to it)."""
-    import socket
-
+def free_port(host: str = "") -> int:
+    """A TCP port free on host's address (default: on every interface of this host, for peers on
+    other hosts)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -8,14 +8,17 @@ at once, so a failed rank never leaves the others hanging in a collective.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -23,16 +26,23 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import failures
 from dtf.config.schema import LocalLauncherConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.launch import stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
-from dtf.machine import threads_per_rank
+from dtf.machine import THREADS_CHOSEN, threads_per_rank
 from dtf.results import RunResult, Stopped
 
 
@@ -62,9 +72,9 @@ class LocalLauncher(Launcher):
             # Several: the nodes of one run meet at the endpoint, under one id (their run
             # directories may differ: rank 0's is the run's, dtf.worker).
             run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
-            rdzv_backend="c10d",
+            rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
-            rdzv_configs=nodes.rdzv_configs() if nodes else {},
+            rdzv_configs=nodes.rdzv_configs() if nodes else {"is_host": True},
             max_restarts=self.cfg.max_restarts,
             monitor_interval=self.cfg.monitor_interval,
             start_method=self.cfg.start_method,
@@ -86,14 +96,18 @@ class LocalLauncher(Launcher):
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         start_resource_tracker_ignoring(stop_signals)
         failures.clear(run_dir)
+        stalls.clear(run_dir)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
+        watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
         try:
             with (
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
                 sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
+                watch.watching(),
+                ranks_without_main(),
             ):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
@@ -126,6 +140,41 @@ class LocalLauncher(Launcher):
         return rank_result(results.get(0))
 
 
+RENDEZVOUS = "dtf-c10d"
+
+
+class _BoundBackend(C10dRendezvousBackend):
+    @property
+    def name(self) -> str:
+        return RENDEZVOUS  # elastic checks that its handler is the backend it asked for
+
+
+def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch elastic's c10d rendezvous (torchrun's default), with its store listening only on the
+    endpoint's address (127.0.0.1 on one node), not on every interface as TCPStore's server does:
+    the store has no authentication, and anyone who reaches it can write to it."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    is_host = params.get_as_bool("is_host")
+    try:
+        # Unsaid (launcher.node_rank unset): the node whose address the endpoint names hosts it;
+        # a node that cannot listen there (not its address, or another agent of it already does) joins.
+        store = dist_env.tcp_store(host, port, None, is_host is not False, timeout)
+    except OSError as e:
+        if is_host is None and e.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+            store = dist_env.tcp_store(host, port, None, False, timeout)
+        else:
+            reason = (e.strerror or str(e)).lower()
+            raise RendezvousConnectionError(f"cannot host the rendezvous on {host}:{port}: {reason}") from None
+    return create_handler(store, _BoundBackend(store, params.run_id), params)
+
+
+rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
+
+
 def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
     """A rank starts a session of its own, as torchrun's ranks do (start_new_session=True). Linux's
     autogroup scheduler shares the cores between sessions first: ranks left in the driver's session
@@ -152,14 +201,27 @@ def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
     if killed:
         rank = killed[0]
         name = signal.Signals(-e.failures[rank].exitcode).name
-        return RankFailedError(f"rank {rank} failed: killed by signal {name} (its logs: {logs[rank] or run_dir})")
+        return RankFailedError(f"rank {rank} failed: killed by signal {name} ({output_of(e, rank, run_dir)})")
     if first is not None:
         lost = lost_node(first, run_dir)
         if lost is not None:
             return RankFailedError(f"{lost} (rank {first.rank}'s logs: {logs.get(first.rank) or f'{run_dir}/logs'})")
         return failures.report(first, logs.get(first.rank) or f"{run_dir}/logs")
     rank, failure = min(e.failures.items())
-    return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} (its logs: {logs[rank] or run_dir})")
+    return RankFailedError(f"rank {rank} failed with exit code {failure.exitcode} ({output_of(e, rank, run_dir)})")
+
+
+def output_of(e: ChildFailedError, rank: int, run_dir: str) -> str:
+    """Where a failed rank's output is, also when it died before dtf's code ran in it (no error
+    file): its log directory, or its own stderr file there; a node's local rank 0 writes to the
+    terminal (its progress bar), where its output is, above this line."""
+    failure = e.failures[rank]
+    if os.path.isabs(failure.error_file):
+        return f"its logs: {os.path.dirname(failure.error_file)}"
+    if failure.local_rank == 0:
+        return "its output is above"
+    found = sorted(Path(run_dir, "logs").glob(f"*/attempt_*/{failure.local_rank}/stderr.log"), key=os.path.getmtime)
+    return f"its error output: {found[-1]}" if found else f"its logs: {run_dir}/logs"
 
 
 @contextlib.contextmanager
@@ -186,10 +248,37 @@ def sized_thread_pools(nproc: int, configured: Any = None) -> Iterator[None]:
         yield
         return
     os.environ["OMP_NUM_THREADS"] = str(configured or threads_per_rank(nproc))
+    if not configured:
+        os.environ[THREADS_CHOSEN] = "1"  # the ranks' start line may say so
     try:
         yield
     finally:
         del os.environ["OMP_NUM_THREADS"]
+        os.environ.pop(THREADS_CHOSEN, None)
+
+
+@contextlib.contextmanager
+def ranks_without_main() -> Iterator[None]:
+    """multiprocessing's spawn runs the starting process's __main__ again in every child, so that
+    what it pickled by reference can be found there. A rank needs none of it: dtf's rank entry and
+    the config travel by reference to dtf's modules, dtf.run_function's objects by value. And a
+    script without an `if __name__ == "__main__":` guard would start its run again in every rank
+    (a script piped to `python -`, whose __main__ is "<stdin>", could not be run again at all)."""
+    from multiprocessing import spawn
+
+    prepare = spawn.get_preparation_data
+
+    def without_main(name: str) -> dict[str, Any]:
+        data = prepare(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = prepare
 
 
 @contextlib.contextmanager
@@ -208,16 +297,28 @@ def standard_start_method(method: str) -> Iterator[None]:
         multiprocessing.set_start_method(current, force=True)
 
 
+# The resource tracker's warnings ("resource_tracker: There appear to be N leaked semaphore objects"):
+# it unlinks what dead processes left it all the same.
+_TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
+
+
 def start_resource_tracker_ignoring(names: list[str]) -> None:
     """Python's resource tracker (a process multiprocessing starts for the ranks' queues) dies of
     SIGUSR1 like any process, and SLURM signals every process of a job: start it now, with the
-    stop signals ignored (ignored signals stay ignored across exec), so it outlives them."""
+    stop signals ignored (ignored signals stay ignored across exec), so it outlives them.
+
+    Ranks that the agent kills (Ctrl-C, a failed peer) leave it the semaphores of their DataLoader
+    workers' queues. It unlinks them when the driver's run ends, and would say so in a warning
+    printed after the driver has gone, under the shell's prompt: it starts with that warning off
+    (a -W option, which multiprocessing passes on to the processes it starts)."""
     from multiprocessing import resource_tracker
 
     previous = {signal.Signals[n]: signal.signal(signal.Signals[n], signal.SIG_IGN) for n in names}
+    sys.warnoptions.append(_TRACKER_LEAK_WARNING)
     try:
         resource_tracker.ensure_running()
     finally:
+        sys.warnoptions.remove(_TRACKER_LEAK_WARNING)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtf import failures
 from dtf.config.schema import LocalLauncherConfig
+from dtf.dist.network import interface_address, route_source
 from dtf.errors import UserError
 
 if TYPE_CHECKING:
@@ -110,26 +111,6 @@ def lost_node(failure: failures.RankFailure, run_dir: str) -> str | None:
         f"{failure.rank} saw its connection close; the run stopped, and the same command on every node "
         "continues it from the last checkpoint"
     )
-
-
-def route_source(address: str, port: int) -> str:
-    """This node's address on the route to address (a UDP socket's connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((address, port))
-        return str(s.getsockname()[0])
-
-
-def interface_address(name: str) -> str | None:
-    """The IPv4 address of a network interface (Linux's SIOCGIFADDR), or None."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ class SparkLauncher(Launcher):
             _check_master_reachable(c.master or DEFAULT_MASTER)
             spark = self._session(run_dir, c.master or DEFAULT_MASTER)
         failures.clear(run_dir)
+        wait_for_task_slots(spark.sparkContext, c.nproc)
         rdd = spark.sparkContext.parallelize(range(c.nproc), c.nproc).barrier()
         stop_tail = threading.Event()
         # Rank 0's log streams to the driver's terminal while the stage runs.
@@ -176,6 +178,37 @@ class SparkLauncher(Launcher):
         for key, value in conf.items():
             builder = builder.config(key, value)
         return builder.getOrCreate()
+
+
+def wait_for_task_slots(sc: Any, nproc: int) -> None:
+    """A barrier stage needs a task slot for every rank at once, and a new application's executors
+    take seconds to register (each is a JVM its worker starts for it): right after a cluster or a
+    session starts there are fewer slots than there will be. Wait for nproc of them, as long as
+    spark.scheduler.maxRegisteredResourcesWaitingTime says (dtf's default: 60 s), and only then
+    refuse, saying how many there were."""
+    waiting_s = float(
+        sc._jvm.org.apache.spark.network.util.JavaUtils.timeStringAsSec(
+            sc.getConf().get("spark.scheduler.maxRegisteredResourcesWaitingTime", "30s")
+        )
+    )
+    deadline = time.monotonic() + waiting_s
+    slots = _task_slots(sc)
+    while slots < nproc and time.monotonic() < deadline:
+        time.sleep(0.5)
+        slots = _task_slots(sc)
+    if slots < nproc:
+        raise UserError(
+            f"launcher.nproc={nproc} is more than the Spark cluster's task slots: it had {slots} after waiting "
+            f"{waiting_s:g} s for executors to register (spark.scheduler.maxRegisteredResourcesWaitingTime); a barrier "
+            "stage needs one for every rank at once: lower launcher.nproc or add executors/cores"
+        )
+
+
+def _task_slots(sc: Any) -> int:
+    """The tasks the registered executors can run at once: what Spark's own barrier check counts
+    (SparkContext.maxNumConcurrentTasks, for the default resource profile)."""
+    context = sc._jsc.sc()
+    return int(context.maxNumConcurrentTasks(context.resourceProfileManager().defaultResourceProfile()))
 
 
 def _driver_address(master: str, local: bool) -> dict[str, str]:

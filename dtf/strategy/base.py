@@ -6,7 +6,6 @@ import contextlib
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -21,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
+from dtf.memory import WHOLE_REPLICA, OptimizerFactory, StateShares
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 # The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
 # FSDP2 family's MixedPrecisionPolicy compute in it.
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -34,20 +33,11 @@ def no_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
     return None  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class StateShares:
-    """The fractions of the model's parameters, gradients and optimizer state one rank holds at its
-    peak: the formulas of the ZeRO paper (Rajbhandari et al., 2020) and of MiCS."""
-
-    params: float
-    grads: float
-    optim: float
-    formula: str  # in words, for messages: "ZeRO-3: all sharded over 4 ranks"
-    on_host: bool = False  # offloaded: in host memory, whatever the device
-
-
 class Strategy(ABC):
     name: str
+    # After the gradient reduction every rank holds the same, whole gradients (DDP, ZeRO-1); the
+    # FSDP family holds shards.
+    replicated_gradients = True
 
     def __init__(self, cfg: Any, precision: str = "32") -> None:
         self.cfg = cfg  # the strategy's config dataclass (dtf.config.schema)
@@ -63,8 +53,14 @@ class Strategy(ABC):
         return contextlib.nullcontext()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank."""
-        return dict(self.whole_tensors(model))
+        """The whole model's state dict (unsharded, wrapper prefixes removed), on every rank, in the
+        module's own order (what torch.save(model.state_dict()) keeps: loading by position works)."""
+        whole = dict(self.whole_tensors(model))
+        return {name: whole[name] for name in self.state_names(model)}
+
+    def state_names(self, model: nn.Module) -> list[str]:
+        """The model's state dict keys (wrapper prefixes removed), in the module's order."""
+        return list(get_model_state_dict(model))
 
     def whole_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's state by name, in sorted order, one whole (unsharded) tensor at a time: a
@@ -101,12 +97,17 @@ class Strategy(ABC):
         return build()
 
     def state_shares(self, world_size: int) -> StateShares:
-        """What share of the model's state a rank holds (dtf.strategy.memory estimates from it)."""
-        return StateShares(1, 1, 1, "DDP: a full replica on every rank")
+        """What share of the model's state a rank holds (dtf.memory estimates from it)."""
+        return WHOLE_REPLICA
 
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         """Bytes this rank holds for parameters + gradients + optimizer state."""
         return parameter_and_grad_bytes(model) + local_state_bytes(optimizer)
+
+    def local_state_tensors(self, model: nn.Module, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        """The parameters and optimizer state this rank holds (DTensors as they are)."""
+        yield from model.parameters()
+        yield from _tensors(list(optimizer.state.values()))
 
 
 def initialise(module: nn.Module) -> None:

@@ -18,7 +18,8 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import AUTOCAST_DTYPES, OptimizerFactory, StateShares, Strategy, initialise
+from dtf.memory import OptimizerFactory, StateShares
+from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
 
 
 def find_blocks(
@@ -46,6 +47,7 @@ def find_blocks(
 class FSDPStrategy(Strategy):
     name = "fsdp"
     cfg: FSDPStrategyConfig
+    replicated_gradients = False  # each rank holds its shard of them
 
     def mesh(self, env: DistEnv) -> DeviceMesh:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +39,8 @@ from torch.optim import Optimizer
 from dtf.dist.compat import all_gather_single
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.memory import OptimizerFactory, StateShares
 from dtf.strategy.base import (
-    OptimizerFactory,
-    StateShares,
     local_state_bytes,
     materialise_whole,
     no_optimizer,
@@ -447,6 +446,9 @@ class Zero1Strategy(DDPStrategy):
     def model_state_bytes(self, model: nn.Module, optimizer: Optimizer) -> int:
         sharded = _sharded(optimizer)
         return parameter_and_grad_bytes(model) + sharded.padding_bytes + local_state_bytes(sharded.local)
+
+    def local_state_tensors(self, model: nn.Module, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        return super().local_state_tensors(model, _sharded(optimizer).local)  # the state of this rank's slice
 
 
 def _sharded(optimizer: Optimizer) -> ShardedOptimizer:

@@ -272,7 +272,7 @@ class Sweep:
 
     def trial_env(self) -> dict[str, str]:
         """Local trials side by side share this machine's cores: each rank gets its share of
-        threads (a rank alone takes all cores; `parallel` trials of `launcher.nproc` ranks each,
+        threads (a rank alone takes what one of two would; `parallel` trials of `launcher.nproc` ranks each,
         all busy-waiting in their thread pools, would slow each other down many times over).
         An OMP_NUM_THREADS of the user's own is kept."""
         env = dict(os.environ)

@@ -15,12 +15,16 @@ weights_only=True, and so do dtf's own files.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import pickle
 import shutil
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +38,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
-from dtf.errors import UserError
+from dtf.errors import EveryRankUserError, UserError
 from dtf.files import write_atomically
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
 MARKER = "COMMITTED.json"
+_NEARLY_FULL_BYTES = 1 << 20  # a save that failed with less than this left on its disk ran out of space
 TRAINER_FILE = "trainer.pt"
 _PREFIX = "step_"
 
@@ -125,7 +130,15 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 def load_app_state(path: Path, app_state: dict[str, Any]) -> None:
-    """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code."""
+    """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code.
+    A checkpoint of another model (or optimizer) is refused in one line before anything is read."""
+    misfit = _misfit(_SafeReader(str(path)).read_metadata(), app_state)
+    if misfit:
+        raise EveryRankUserError(
+            f"checkpoint {path} does not fit this run: {misfit}; resume with the model and optimizer it was "
+            "trained with, or start over with checkpoint.resume=never (its checkpoints are moved aside) or "
+            "another hydra.run.dir"
+        )
     try:
         dcp.load(app_state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
     except CheckpointException as e:
@@ -137,6 +150,27 @@ def load_app_state(path: Path, app_state: dict[str, Any]) -> None:
             f"checkpoint {path} holds a value that could run code when loaded, and was refused ({reason.strip()}): "
             "resume only from checkpoints you trust"
         ) from None
+
+
+def _misfit(metadata: Metadata, app_state: dict[str, Any]) -> str | None:
+    """The first tensor of app_state (model first, in its state_dict order, then the optimizer's)
+    whose shape differs from the checkpoint's or that the checkpoint lacks, or a model tensor the
+    checkpoint holds and this model does not; None when it fits."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    saved = metadata.state_dict_metadata
+    wanted, _ = flatten_state_dict(app_state)
+    for key, value in wanted.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        there = saved.get(key)
+        if there is None:
+            return f"{key} is not in it"
+        size = getattr(there, "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            return f"{key} has the shape {list(size)} there and {list(value.shape)} here"
+    extra = [key for key in saved if key.startswith("model.") and key not in wanted]
+    return f"{extra[0]} is in it and not in this model" if extra else None
 
 
 def _metadata_problem(path: Path) -> str:
@@ -233,6 +267,27 @@ def scan(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     return found, skipped
 
 
+def _no_space_left(error: BaseException, where: Path) -> bool:
+    """Whether a failed save ran out of disk space: any rank's error says so (DCP gathers them all in
+    one CheckpointException; torch.save's own reads "unexpected pos ..."), or the disk is full now."""
+    found: list[BaseException] = [error]
+    found += [wrapped[0] for wrapped in getattr(error, "failures", {}).values() if isinstance(wrapped, tuple)]
+    seen: set[int] = set()
+    while found:
+        e = found.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        found += [c for c in (e.__cause__, e.__context__) if c is not None]
+    try:
+        disk = os.statvfs(where)
+    except OSError:
+        return False
+    return disk.f_bavail * disk.f_frsize < _NEARLY_FULL_BYTES
+
+
 def _warn(text: str) -> None:
     print(f"dtf: warning: {text}", file=sys.stderr, flush=True)
 
@@ -270,6 +325,7 @@ class Checkpointer:
         self._background_group = dist.new_group(backend="gloo") if cfg.async_save and multi else None
         self._pending: tuple[int, Path, Future[Any]] | None = None
         self.blocked_s: list[float] = []  # how long each save held up the training loop
+        self.last_saved_step: int | None = None  # of this process's latest save (maybe still being written)
 
     def is_due(self, step: int, last: bool) -> bool:
         return bool(self.every_n_steps and step % self.every_n_steps == 0) or (last and self.at_end)
@@ -289,21 +345,23 @@ class Checkpointer:
         background write is done)."""
         self.finish()  # at most one save in flight: the one before is committed first
         path = self.path_of(step)
+        self.last_saved_step = step
         if self.env.is_main:
             if path.exists():  # a stale, uncommitted attempt at the same step (e.g. before a crash)
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         _barrier()
-        _torch_save_synced(rng_state(), path / f"rank_{self.env.rank}.pt")
-        if self.env.is_main:
-            _torch_save_synced(trainer_state, path / TRAINER_FILE)
-        if self.async_save:
-            # Returns once the state is copied to memory; the files are written in the background.
-            future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._background_group)
-            self._pending = (step, path, future)  # type: ignore[assignment]
-        else:
-            dcp.save(app_state, checkpoint_id=str(path))
-            self._commit(step, path)
+        with self._failing_save(step, path):
+            _torch_save_synced(rng_state(), path / f"rank_{self.env.rank}.pt")
+            if self.env.is_main:
+                _torch_save_synced(trainer_state, path / TRAINER_FILE)
+            if self.async_save:
+                # Returns once the state is copied to memory; the files are written in the background.
+                future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._background_group)
+                self._pending = (step, path, future)  # type: ignore[assignment]
+            else:
+                dcp.save(app_state, checkpoint_id=str(path))
+                self._commit(step, path)
         return path
 
     def path_of(self, step: int) -> Path:
@@ -324,8 +382,35 @@ class Checkpointer:
             return
         step, path, future = self._pending
         self._pending = None
-        future.result()  # a failed write raises here, and the checkpoint is never committed
-        self._commit(step, path)
+        with self._failing_save(step, path):
+            future.result()  # a failed write raises here, and the checkpoint is never committed
+            self._commit(step, path)
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int, path: Path) -> Iterator[None]:
+        """A save that fails leaves no files behind (they are never loaded, and would only take the
+        space a full disk lacks); a full disk is told in one line."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            full = _no_space_left(e, self.root)
+            if self.env.is_main:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                for f in path.glob(f"*{self.env.rank}*"):  # its own files; rank 0 removes the rest
+                    f.unlink(missing_ok=True)
+            if not full:
+                raise
+            newest = committed(self.root)[:1]
+            kept = f"{newest[0].name} is intact and a rerun continues from it" if newest else "none was saved before it"
+            raise EveryRankUserError(
+                f"no space left on the device of {self.root} while saving the checkpoint of step {step} (its files "
+                f"were removed; of the earlier checkpoints, {kept}): free space there, or keep fewer "
+                "(checkpoint.keep_last) or put them on a larger disk (checkpoint.dir, hydra.run.dir), then run the "
+                "same command to continue"
+            ) from None
 
     def _commit(self, step: int, path: Path) -> None:
         _barrier()  # every rank's files are on disk before the marker says so

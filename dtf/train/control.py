@@ -14,6 +14,11 @@ proposes the next interval in steps inside the exchange itself, so every rank re
 integer and all keep exchanging at the same steps (each rank computing an interval from its own
 clock could disagree, and ranks that call a collective at different steps hang). A stop signal
 then takes effect within about two intervals. `every_n_steps` fixes the interval instead.
+
+Evaluation batches are boundaries too (every rank runs the same number of them), where a stop
+abandons the evaluation. Its batches take another time than training steps: an interval proposed
+for one kind of work is never used for the other. At each switch (enter_phase) the exchanges
+follow batch by batch again until rank 0's first measurement of the new work has come back.
 """
 
 from __future__ import annotations
@@ -63,8 +68,11 @@ class StepControl:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
         self._posted: torch.Tensor | None = None
         self._work: dist.Work | None = None
-        self._due: int | None = None  # the step of the next exchange (time-based interval)
-        self._last_post: tuple[int, float] | None = None  # (step, clock) of this rank's latest post
+        self._boundaries = 0  # boundaries passed (steps and evaluation batches): equal on every rank
+        self._due: int | None = None  # the boundary of the next exchange (time-based interval)
+        self._last_post: tuple[int, float] | None = None  # (boundary, clock) of this rank's latest post
+        self._phase = 0  # bumped by enter_phase; the pending post's proposal is for its phase only
+        self._posted_phase = 0
         # Where the latest exchanges happened (tests compare ranks), bounded for long runs.
         self.exchange_steps: deque[int] = deque(maxlen=10_000)
         self.stopped_at_step: int | None = None
@@ -74,53 +82,78 @@ class StepControl:
         last: the run's final step, where there is nothing left to stop). Commits the background
         save once every rank has written its part; True when the ranks agreed to stop here."""
         agreed = self.exchange(step)
-        ck = self.checkpointer
-        if agreed.committed_step is not None and agreed.committed_step == ck.background_step:
-            ck.finish()  # every rank has written its part: commits without waiting for anything
+        self._commit_if_done(agreed)
         if agreed.stop and not last:
             self.stopped_at_step = step
             return True
         return False
 
-    def _due_now(self, step: int) -> bool:
-        if self.every_n_steps is not None:
-            return step % self.every_n_steps == 0
-        if self._due is None:
-            self._due = step  # the first boundary of this run (fresh or resumed) exchanges at once
-        return step >= self._due
+    def should_stop_evaluating(self, batch: int) -> bool:
+        """Called by every rank after each evaluation batch (batch: 1, 2, ...): True when the ranks
+        agreed to stop, which abandons the evaluation there (the resumed run evaluates again)."""
+        agreed = self.exchange(batch, training=False)
+        self._commit_if_done(agreed)
+        return agreed.stop
 
-    def exchange(self, step: int) -> Agreement:
+    def stop_at(self, step: int) -> None:
+        """The ranks agreed to stop outside a step boundary (in an evaluation): the run ends at step."""
+        self.stopped_at_step = step
+
+    def enter_phase(self) -> None:
+        """The work between boundaries changes (training <-> evaluation): on every rank at once."""
+        self._phase += 1
+        self._due = None
+        self._last_post = None
+
+    def _commit_if_done(self, agreed: Agreement) -> None:
+        ck = self.checkpointer
+        if agreed.committed_step is not None and agreed.committed_step == ck.background_step:
+            ck.finish()  # every rank has written its part: commits without waiting for anything
+
+    def _due_now(self, index: int) -> bool:
+        self._boundaries += 1
+        if self.every_n_steps is not None:
+            return index % self.every_n_steps == 0
+        if self._due is None:
+            self._due = self._boundaries  # the first boundary of a run or phase exchanges at once
+        return self._boundaries >= self._due
+
+    def exchange(self, index: int, training: bool = True) -> Agreement:
         """Posts this rank's view when an exchange is due and returns the agreement posted the
-        time before (all ranks call it at the same steps)."""
-        if not self._due_now(step):
+        time before (all ranks call it at the same boundaries). index: the step, or the
+        evaluation batch's number (the fixed interval counts in them)."""
+        if not self._due_now(index):
             return Agreement(stop=False, committed_step=None)
-        self.exchange_steps.append(step)
+        if training:
+            self.exchange_steps.append(index)
         previous = self._receive()
+        interval = previous.next_interval if self._posted_phase == self._phase else None
         # Until rank 0's first measured proposal has come back, the exchanges follow step by step.
-        self._due = step + (previous.next_interval or 1)
+        self._due = self._boundaries + (interval or 1)
         writing, done = self.checkpointer.background_step, self.checkpointer.background_done()
         view = torch.tensor(
             [
                 1.0 if self.stop_request.requested else 0.0,
                 0.0 if writing is None or done else 1.0,  # ranks still writing
                 -1.0 if writing is None else float(writing),
-                float(self._propose(step)) if self.is_main and self.every_n_steps is None else 0.0,
+                float(self._propose(self._boundaries)) if self.is_main and self.every_n_steps is None else 0.0,
             ],
             dtype=torch.float64,
         )
         if self.group is not None:
             self._work = dist.all_reduce(view, group=self.group, async_op=True)
         self._posted = view
+        self._posted_phase = self._phase
         return previous
 
-    def _propose(self, step: int) -> int:
-        """Rank 0's interval for the ranks to use: steps that take about every_s seconds, from the
-        mean step time since its previous post (0: nothing measured yet)."""
+    def _propose(self, boundary: int) -> int:
+        """Rank 0's interval for the ranks to use: boundaries that take about every_s seconds, from
+        the mean time per boundary since its previous post in this phase (0: nothing measured yet)."""
         now, last = self.clock(), self._last_post
-        self._last_post = (step, now)
-        if last is None or step <= last[0]:
+        self._last_post = (boundary, now)
+        if last is None or boundary <= last[0]:
             return 0
-        step_s = (now - last[1]) / (step - last[0])
+        step_s = (now - last[1]) / (boundary - last[0])
         return max(1, min(MAX_INTERVAL, round(self.every_s / step_s))) if step_s > 0 else MAX_INTERVAL
 
     def _receive(self) -> Agreement:

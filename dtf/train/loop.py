@@ -5,31 +5,35 @@ process around them (environment, process group, signals) is dtf.rank's.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
 
-from dtf import failures
+from dtf import failures, memory
 from dtf import strategy as strategies
-from dtf.config.schema import ParquetDataConfig
+from dtf.config.schema import MemoryCheck, ParquetDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
 from dtf.data.interface import EvalData, TrainData
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
+from dtf.machine import lone_rank_threads_note
+from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
-from dtf.strategy import memory
 from dtf.train import blocks, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
+from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
@@ -44,12 +48,52 @@ def run(
     """Rank 0 returns Finished (the others None), or every rank Stopped when the ranks agreed to stop.
     stop_request: the rank's stop-signal handlers (none: nothing stops the run early)."""
     stop_request = stop_request or StopRequest(())
-    trainer = build(run, env, run_dir, stop_request)
-    trainer.fit()
-    return finish(run, trainer, run_dir, stop_request)
+    beat = Heartbeat(run_dir, env.rank, dist_env.attempt_number())
+    beat.start()  # from here, the driver sees how far this rank got (dtf.launch.stalls)
+    try:
+        trainer = build(run, env, run_dir, stop_request, beat)
+        done = already_finished(trainer, run_dir)
+        if done is not None:
+            return done if env.is_main else None
+        trainer.fit()
+        beat.mark("finishing")
+        return finish(run, trainer, run_dir, stop_request)
+    finally:
+        beat.close()
 
 
-def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest) -> Trainer:
+def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
+    """A finished run, run again: its summary (untouched, as model.pt and the rest), when the run
+    resumed from its final checkpoint, whose weights summary.json describes. Collective."""
+    if trainer.resumed_from_step is None or trainer.state.step < trainer.total_steps:
+        return None
+    summary: dict[str, Any] | None = None
+    if trainer.env.is_main:
+        with contextlib.suppress(OSError, ValueError):
+            summary = json.loads((run_dir / run_summary.SUMMARY_FILE).read_text())
+    recorded = summary if isinstance(summary, dict) and summary.get("global_step") == trainer.state.step else None
+    # The weights must be the ones it describes (not a summary of an earlier run that ended on the same step).
+    same = dist_env.broadcast_from_main(recorded is not None)
+    if not same:
+        return None
+    digest = run_summary.params_sha256(trainer.strategy.whole_tensors(trainer.model))  # collective
+    if not dist_env.broadcast_from_main(recorded is not None and recorded.get("params_sha256") == digest):
+        return None
+    if not trainer.env.is_main:
+        return Finished({})
+    assert recorded is not None
+    print(
+        f"dtf: this run already finished at step {trainer.state.step} (its summary.json and model.pt are left as they "
+        "are): raise trainer.max_steps or trainer.max_epochs to train on, or start over with checkpoint.resume=never "
+        "or another hydra.run.dir",
+        flush=True,
+    )
+    return Finished(recorded)
+
+
+def build(
+    run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: StopRequest, beat: Heartbeat | None = None
+) -> Trainer:
     """The Trainer, ready to fit: from its checkpoint when the run resumes."""
     if run.trainer.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, which must be set before its first use.
@@ -67,7 +111,7 @@ def build(run: RunConfig, env: dist_env.DistEnv, run_dir: Path, stop_request: St
     blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(run.trainer.seed + env.rank)
-    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data)
+    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data, beat)
     if resume is not None:
         trainer.resume_from(resume)
         if env.is_main:
@@ -92,9 +136,19 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
     strategy = strategies.build(run.strategy, t.precision)
     scaler = strategy.grad_scaler(env.device) if t.precision == "fp16-mixed" else None
     precision = Precision(t.precision, env.device, scaler)
-    # Before anything is allocated: can this node hold the model's state under this strategy?
+    # Before anything is allocated: can this node hold the model's state under this strategy? (Where
+    # the driver runs on this machine it refused already; the estimate is the summary's all the same.)
     as_built = lambda: precision.convert_model(build_model(run.composed.model))  # noqa: E731
-    estimate = memory.check(as_built, strategy, instantiate(run.composed.optimizer), env, t.memory_check)
+    by_driver = memory.checked_on_driver(run.launcher)
+    speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0 and not by_driver  # one line per node, if any
+    node = memory.Node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), env.device, speaks)
+    mode = MemoryCheck.off if by_driver else t.memory_check
+    estimate = None
+    if t.memory_check != MemoryCheck.off:
+        shares = strategy.state_shares(env.world_size)
+        estimate = memory.estimate_built(as_built, instantiate(run.composed.optimizer), shares, node.speaks)
+    if estimate is not None:
+        memory.judge(estimate, node, mode)
     model = precision.convert_model(strategy.build_model(lambda: build_model(run.composed.model)))
     if isinstance(model, nn.ModuleDict) and t.step_fn is None:
         raise UserError(
@@ -103,13 +157,6 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
         )
     blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
     return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
-
-
-def build_model(cfg: DictConfig) -> nn.Module:
-    """One module by _target_, or a mapping of names to module configs (several modules, as in a GAN)."""
-    if "_target_" in cfg:
-        return instantiate(cfg)
-    return nn.ModuleDict({str(name): instantiate(sub) for name, sub in cfg.items()})
 
 
 def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Path | None:
@@ -148,6 +195,7 @@ def assemble(
     optimizer: Optimizer,
     train_data: TrainData,
     eval_data: EvalData | None,
+    beat: Heartbeat | None = None,
 ) -> Trainer:
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
@@ -177,6 +225,7 @@ def assemble(
         ),
         precision=parts.precision,
         pruning=trial_pruning(run, eval_data is not None, env),
+        heartbeat=beat,
     )
     trainer.model_state_estimate_bytes = parts.state_estimate_bytes
     return trainer
@@ -229,15 +278,31 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
     print(
         f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, "
         f"{loader.describe(trainer.train_data)}, {trainer.total_steps} optimizer steps, "
-        f"lr x{scale:g} ({t.lr_scaling.value} scaling); run dir {run_dir}",
+        f"lr x{scale:g} ({t.lr_scaling.value} scaling){between_nodes(env)}; run dir {run_dir}",
         flush=True,
     )
+    note = lone_rank_threads_note() if env.world_size == 1 else None
+    if note:
+        print(f"dtf: {note}", flush=True)
     if t.warmup_steps >= trainer.schedule.plan.total:
         print(
             f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "
             "optimizer steps: the LR never reaches its target",
             flush=True,
         )
+
+
+def between_nodes(env: dist_env.DistEnv) -> str:
+    """Where ranks on several machines meet: the network interface their process groups and stores
+    listen on (on one machine, loopback alone: nothing to say)."""
+    if env.world_size <= int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)):
+        return ""
+    from dtf.dist.network import interface_address
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+    if not interface:
+        return f", nodes meet at {os.environ.get('MASTER_ADDR', '?')}"
+    return f", nodes connected over {interface} ({interface_address(interface) or '?'})"
 
 
 def previous_failure(run_dir: Path, attempt: int) -> str:

@@ -81,6 +81,12 @@ class Precision:
         self.skipped_steps += not stepped
         return stepped
 
+    def skip(self) -> None:
+        """A step left out before the optimizer saw it (trainer.on_nonfinite=skip): the scaler,
+        which may have unscaled the gradients already, starts its next step afresh, its scale kept."""
+        if self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale())
+
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}

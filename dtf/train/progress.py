@@ -47,25 +47,32 @@ def _fmt(v: float) -> str:
 
 
 class TensorBoard:
-    """Scalars and hparams into <run_dir>/tensorboard (rank 0 only; a no-op elsewhere)."""
+    """Scalars and hparams into <run_dir>/tensorboard (rank 0 only; a no-op elsewhere). The event
+    file is made at the first value: a run that logs nothing (already finished) leaves none."""
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
-        self.writer = None
-        if enabled:
+        self.log_dir = run_dir / "tensorboard"
+        self.enabled = enabled
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is not None:
+        if self.enabled:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
 
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float | None]) -> None:
-        if self.writer is not None:
+        if self.enabled:
             clean = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in hparams.items()}
             self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self._writer is not None:
+            self._writer.close()

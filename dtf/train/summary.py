@@ -124,6 +124,8 @@ class LoopSummary(Summary):
     compiled_graphs: int | None
     # fp16-mixed: steps the gradient scaler skipped for overflowed gradients (null without a scaler).
     skipped_steps: int | None
+    # trainer.on_nonfinite=skip: steps left out because their loss or gradients were not finite.
+    nonfinite_steps_skipped: int
     # Each rank's digest of its resolved config: one config per run, whoever started the ranks.
     config_sha256_by_rank: list[str]
     config_consistent: bool
@@ -244,8 +246,8 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | Non
     if not env.is_main:
         return None
     summary = loop_summary(run, trainer, ranks, run_dir)
-    if run.trainer.export_weights:
-        torch.save(state, run_dir / WEIGHTS_FILE)
+    if run.trainer.export_weights:  # in the module's order, as torch.save(model.state_dict()) has it
+        torch.save({name: state[name] for name in trainer.strategy.state_names(trainer.model)}, run_dir / WEIGHTS_FILE)
     results: dict[str, float | None] = {"objective": summary.objective, **summary.final_metrics}
     trainer.tb.hparams(tensorboard_hparams(run, trainer), results)
     summary.write(run_dir)
@@ -282,6 +284,7 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         first_step_s=trainer.first_step_s,
         compiled_graphs=trainer.compiled_graphs,
         skipped_steps=trainer.precision.skipped_steps if trainer.precision.scaler is not None else None,
+        nonfinite_steps_skipped=trainer.nonfinite.skipped,
         config_sha256_by_rank=[str(r.config_digest) for r in ranks],
         config_consistent=len({r.config_digest for r in ranks}) == 1,
         samples_seen=st.samples_seen,

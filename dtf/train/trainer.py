@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -20,14 +20,17 @@ from dtf.config.schema import TrainerConfig
 from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.interface import EvalData, TrainData
 from dtf.dist.env import DistEnv
+from dtf.errors import TrainingFailed
 from dtf.strategy.base import Strategy
 from dtf.train.blocks import compiled_graphs
-from dtf.train.checkpoint import Checkpointer
+from dtf.train.checkpoint import Checkpointer, committed
 from dtf.train.control import StepControl
+from dtf.train.heartbeat import Heartbeat
 from dtf.train.metrics import MeanMetric, Metrics
+from dtf.train.nonfinite import NonFiniteGuard
 from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
-from dtf.train.rng import set_rng_state
+from dtf.train.rng import rng_state, set_rng_state
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.state import TrainState
 
@@ -71,6 +74,8 @@ class Trainer:
         train_metrics: Metrics,
         precision: Precision | None = None,
         pruning: Pruning | None = None,
+        nonfinite: NonFiniteGuard | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -86,6 +91,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.control = control
         self.precision = precision or Precision("32", env.device)
+        self.nonfinite = nonfinite or NonFiniteGuard(settings.on_nonfinite, strategy, self.precision, env)
         self.pruning = pruning
         self.pruned_at_epoch: int | None = None  # the search pruned this trial after that epoch
         self.state = TrainState()
@@ -95,8 +101,10 @@ class Trainer:
         self.train_metrics = train_metrics  # on the current epoch's training batches (none unless asked)
         self.start_batch = 0  # where the next epoch begins (> 0 only for a run resumed mid-epoch)
         self.resumed_from_step: int | None = None
-        self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.strategy.memory)
+        self.model_state_estimate_bytes: int | None = None  # trainer.memory_check's (dtf.memory)
         self.step_times: list[float] = []
+        self.beat = heartbeat or Heartbeat(None, env.rank, 0)  # what this rank does, for the driver
+        self.beat.step_times = self.step_times
         self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
         self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
@@ -130,12 +138,17 @@ class Trainer:
             while not self.finished:
                 if self._train_epoch(progress):
                     break  # stopped: the epoch's end is the resumed run's to do
-                self._end_epoch(progress)
+                if not self._end_epoch(progress):
+                    self._stop_in_evaluation()
+                    break
                 if self.pruned_at_epoch is not None:
                     # A pruned trial keeps where it got to: its checkpoint, then its summary.
+                    self._check_state_finite(self.state.step)
                     self.checkpointer.save(self.state.step, self, force=True)
                     break
             self.control.close()  # the last background save is committed, no exchange left in flight
+            if self.stopped_at_step is None:  # what model.pt will hold (an overflow in the last update)
+                self._check_state_finite(self.state.step)
         finally:
             self.train_data.close()  # a stopped run leaves a next epoch it had started to read
             progress.close()
@@ -176,17 +189,34 @@ class Trainer:
 
     def _train_window(self, micro_batches: Iterator[Any], size: int) -> None:
         """One optimizer step over `size` micro-batches; gradients are synchronised once, on the last."""
+        losses = []
+        beat = self.beat
+        beat.mark("waiting for data")
         for j, batch in enumerate(micro_batches):
+            beat.mark("forward")
             batch = to_device(batch, self.env.device)
             sync = contextlib.nullcontext() if j == size - 1 else self.strategy.no_sync(self.model)
             with sync:
                 loss, count = self._forward_loss(batch, self.train_metrics)
-                self.precision.backward(loss / size if size > 1 else loss)
-            self.train_loss.update(loss, count)
+                beat.mark("backward")
+                self.precision.backward(self.nonfinite.watch(loss / size if size > 1 else loss))
+            losses.append((loss, count))
+            beat.mark("waiting for data")
+        beat.mark("the optimizer step")
+        grad_norm = None
         if self.s.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
-        stepped = self.precision.step(self.optimizer)
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.s.grad_clip_norm)
+        stepped = False
+        if self.nonfinite.step_is_finite(self.model, grad_norm):
+            for loss, count in losses:
+                self.train_loss.update(loss, count)
+            stepped = self.precision.step(self.optimizer)
+        elif self.nonfinite.stops:
+            self._stop_nonfinite(self.state.step + 1, "the loss or its gradients are not finite (NaN or inf)")
+        else:
+            self.precision.skip()
+            self._skip_nonfinite(self.state.step + 1)
         if self.model_state_bytes is None and stepped:
             # Measured once, when parameters, gradients and optimizer state all exist.
             self.model_state_bytes = self.strategy.model_state_bytes(self.model, self.optimizer)
@@ -212,6 +242,7 @@ class Trainer:
         """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
+        self.beat.stepped(self.state.step)
         if self.first_step_s is None:
             self._first_step(now - self._t_last)
         self.state.train_seconds += now - self._t_last
@@ -221,11 +252,47 @@ class Trainer:
         if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
         stop = self.control.should_stop(step, last)
+        if stop or self.checkpointer.is_due(step, last):
+            self.beat.mark("saving a checkpoint")
+            self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
         if self.checkpointer.save(step, self, last=last, force=stop):
+            self.beat.mark("after a checkpoint")
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
+
+    def _check_state_finite(self, step: int) -> None:
+        """Before a checkpoint (or model.pt) is written from it: the state must be finite (an
+        update from finite gradients can still overflow). Collective."""
+        if not self.nonfinite.state_is_finite(self.strategy.local_state_tensors(self.model, self.optimizer)):
+            self._stop_nonfinite(step, "the parameters or the optimizer state are not finite (NaN or inf)")
+
+    def _stop_nonfinite(self, step: int, what: str) -> NoReturn:
+        """trainer.on_nonfinite=stop (or a state no skip can mend): every rank is here, at the same step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.control.close()  # a background save of an earlier, finite step is committed
+        newest = committed(self.checkpointer.root)[:1]
+        kept = "it has no checkpoint"
+        if newest:
+            kept = f"its newest checkpoint, {newest[0].name}, holds the last finite state"
+        raise TrainingFailed(
+            f"training diverged: {what} at step {step} (trainer.on_nonfinite={self.nonfinite.mode.value}); the run "
+            f"stopped there and {kept}: lower optimizer.lr, set trainer.grad_clip_norm, or leave such steps out "
+            "with trainer.on_nonfinite=skip"
+        )
+
+    def _skip_nonfinite(self, step: int) -> None:
+        """trainer.on_nonfinite=skip: the step is left out (no update); said on the first and every
+        tenfold one, counted in summary.json."""
+        self.nonfinite.skipped += 1
+        n = self.nonfinite.skipped
+        if self.env.is_main and (n == 1 or math.log10(n).is_integer()):
+            print(
+                f"dtf: warning: step {step}: the loss or its gradients are not finite (NaN or inf); the step is "
+                f"skipped (trainer.on_nonfinite=skip), {n} so far",
+                flush=True,
+            )
 
     def _first_step(self, seconds: float) -> None:
         """Compilation happens in the first step: its time and what it compiled, in one line."""
@@ -240,19 +307,27 @@ class Trainer:
                 flush=True,
             )
 
-    def _end_epoch(self, progress: Progress) -> None:
+    def _end_epoch(self, progress: Progress) -> bool:
         """The epoch's figures over all ranks: its training loss (and metrics), and an evaluation
-        when one is due (always after the last epoch)."""
+        when one is due (always after the last epoch). False when a stop signal abandoned the
+        evaluation: the state is left as it was, and the resumed run ends the epoch."""
         st = self.state
-        st.epoch += 1
-        st.samples_in_epoch = 0
-        st.last_train_loss = self.train_loss.compute()
-        st.train_loss_curve.append(st.last_train_loss)
-        figures = {"train/loss": st.last_train_loss}
+        self.beat.mark("the epoch's end")
+        train_loss = self.train_loss.compute()
+        figures = {"train/loss": train_loss}
         figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
         done = st.step >= self.total_steps
-        if self.eval_data is not None and (done or st.epoch % self.s.eval_every_n_epochs == 0):
-            st.last_test_loss, test_metrics = self.evaluate()
+        evaluated = None
+        if self.eval_data is not None and (done or (st.epoch + 1) % self.s.eval_every_n_epochs == 0):
+            evaluated = self.evaluate(stoppable=True)
+            if evaluated is None:
+                return False
+        st.epoch += 1
+        st.samples_in_epoch = 0
+        st.last_train_loss = train_loss
+        st.train_loss_curve.append(train_loss)
+        if evaluated is not None:
+            st.last_test_loss, test_metrics = evaluated
             st.test_loss_curve.append(st.last_test_loss)
             figures["test/loss"] = st.last_test_loss
             figures.update({f"test/{k}": v for k, v in test_metrics.items()})
@@ -263,6 +338,17 @@ class Trainer:
         if self.pruning is not None and not done and self.pruning.should_prune(st.epoch, figures):
             self.pruned_at_epoch = st.epoch
             progress.write(f"epoch {st.epoch}: pruned by the search (hydra.sweeper.pruner)")
+        return True
+
+    def _stop_in_evaluation(self) -> None:
+        """A stop agreed during the epoch's evaluation: the run stops at the epoch's last step, with
+        its checkpoint (unless that step's save was made already, before the evaluation)."""
+        step = self.state.step
+        self.control.stop_at(step)
+        if self.checkpointer.last_saved_step != step:
+            self.beat.mark("saving a checkpoint")
+            self._check_state_finite(step)
+            self.checkpointer.save(step, self, force=True)
 
     def _forward_loss(self, batch: Any, metrics: Metrics | None) -> tuple[torch.Tensor, int]:
         """The step's loss and how many samples it counts; metrics see what the loss sees."""
@@ -293,13 +379,25 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, dict[str, float]]:
-        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks."""
+    def evaluate(self, stoppable: bool = False) -> tuple[float, dict[str, float]] | None:
+        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks.
+        stoppable: the ranks check for a stop between batches, and a stop abandons the evaluation
+        (None), leaving the random streams as they were before it."""
         assert self.eval_data is not None
+        rng = rng_state() if stoppable else None  # iterating a DataLoader draws a seed from them
+        if stoppable:
+            self.control.enter_phase()
         self.model.eval()
         loss_sums = MeanMetric(self.env.device)
         self.metrics.reset()
+        self.beat.mark("waiting for evaluation data")
         for j, batch in enumerate(self.eval_data):
+            self.beat.mark("evaluation")
+            if rng is not None and j > 0 and self.control.should_stop_evaluating(j):
+                self.model.train()
+                self.control.enter_phase()
+                set_rng_state(rng)
+                return None
             batch = to_device(batch, self.env.device)
             real = self.eval_data.num_real_in_batch(j)
             # Padded samples (only ever at the end of a rank's share) are cut off; a batch that is
@@ -310,7 +408,10 @@ class Trainer:
                 loss_sums.update(loss, count)
             else:
                 self._forward_loss(batch, None)
+            self.beat.mark("waiting for evaluation data")
         self.model.train()
+        if stoppable:
+            self.control.enter_phase()
         return loss_sums.compute(), self.metrics.compute()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -326,6 +427,7 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "train_metrics": self.train_metrics.state_dict(),  # summed or gathered over the ranks
             "precision": self.precision.state_dict(),  # fp16's gradient scaler; {} otherwise
+            "nonfinite_steps_skipped": self.nonfinite.skipped,
         }
 
     def resume_from(self, path: Path) -> None:
@@ -339,6 +441,7 @@ class Trainer:
         self.train_loss.load_state_dict(saved["epoch_loss"], holder=self.env.is_main)
         self.train_metrics.load_state_dict(saved.get("train_metrics", {}), holder=self.env.is_main)
         self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
+        self.nonfinite.skipped = int(saved.get("nonfinite_steps_skipped", 0))
         self.resumed_from_step = self.state.step
         saved_batch, saved_partitions = self.state.global_batch, self.state.canonical_partitions
         self._record_data_position()

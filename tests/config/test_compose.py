@@ -15,8 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.errors import UserError
+from dtf.models import build_model
 from dtf.preflight import validate
-from dtf.train.loop import build_model
 
 CONF = Path(__file__).parents[2] / "conf"  # the config tree, at the top of the repository
 DOCS = Path(__file__).parents[2] / "docs"

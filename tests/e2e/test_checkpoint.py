@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -118,6 +119,10 @@ def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
         whole, part = [*args, f"trainer.max_steps={N}"], [*args, f"trainer.max_steps={K}"]
         straight, first, resumed = _resume_on_ranks(capfd, tmp_path, world, whole, part)
     assert first["resumed_from_step"] is None
+    if name == "fsdp":  # gathered from the shards, in the module's order all the same
+        from tests.e2e.test_cli import _loads_by_position
+
+        _loads_by_position(straight.run_dir / "model.pt")
     assert resumed.summary["resumed_from_step"] == K
     assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{K:09d}'}" in resumed.stdout
     _same_run(resumed, straight)
@@ -171,6 +176,107 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_ends_as_the_straight
     _same_run(resumed, straight_failing)
 
 
+def test_a_stop_signal_during_evaluation_ends_it_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # Rank 1 sends SIGTERM to the launcher at its 2nd evaluation forward after epoch 1 (step 32);
+    # every evaluation batch takes 1 s, 7 of them a rank. The ranks agree between two batches,
+    # abandon the evaluation, save step 32 and stop; the rerun evaluates epoch 1 again.
+    in_eval = ["+model.at_eval=true", "+model.fail_at_call=2", "+model.how=agent:SIGTERM", "+model.eval_delay_s=1.0"]
+    started = time.monotonic()
+    stopped = run_dtf([*FAILING, *in_eval, "checkpoint.stop_check_every_n_steps=null"], tmp_path / "run")
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    saved = tmp_path / "run" / "checkpoints" / f"step_{32:09d}"
+    assert stopped.stderr.strip().splitlines()[-1].startswith(f"dtf: stopped by SIGTERM at step 32, saved {saved};")
+    assert "epoch 1:" not in stopped.stdout  # the evaluation's line never came: it was abandoned
+    assert _steps(tmp_path / "run" / "checkpoints") == [20, 32]
+    assert time.monotonic() - started < 60
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run"))
+    assert resumed.summary["resumed_from_step"] == 32
+    _same_run(resumed, straight_failing)
+
+
+def _start_slowed(run_dir: Path, err: Path, delay_s: float) -> subprocess.Popen[bytes]:
+    """FAILING (its failure off) in the background, every forward delay_s longer; stderr to err."""
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", f"+model.delay_s={delay_s}"]
+    with open(err, "w") as errors:
+        return subprocess.Popen(
+            [*cmd, f"hydra.run.dir={run_dir}"], stderr=errors, stdout=subprocess.DEVNULL, env=dtf_env()
+        )
+
+
+def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # SIGTERM twice to `python -m dtf`, as an impatient user or a scheduler's second notice: "now".
+    run_dir = tmp_path / "run"
+    proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.05)
+    try:
+        deadline = time.monotonic() + 120
+        while not _steps(run_dir / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err_text = (tmp_path / "err").read_text()
+    assert code == EXIT_STOPPED, err_text[-3000:]
+    newest = _steps(run_dir / "checkpoints")[-1]
+    assert (
+        err_text.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"dtf: stopped by SIGTERM (twice) at step {newest}, saved {run_dir / 'checkpoints' / f'step_{newest:09d}'};"
+        )
+    ), err_text[-2000:]
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    assert resumed.summary["resumed_from_step"] == newest
+    _same_run(resumed, straight_failing)
+
+
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run(
+    tmp_path: Path, straight_failing: DtfRun, save: str
+) -> None:
+    # sync: the test kills rank 1 (SIGKILL) the moment step 40's checkpoint folder appears, while the
+    # ranks write it (tens of ms here). async: rank 1 kills itself at step 45, training on while
+    # step 40's checkpoint is written in the background, committed only at the exchange of step 50.
+    # Either way step 40 is never committed; the rerun continues from step 20.
+    run_dir = tmp_path / "run"
+    if save == "async":
+        killed = run_dtf([*FAILING, "checkpoint.async_save=true", "+model.how=kill", "+model.fail_at_call=52"], run_dir)
+        code, err = killed.returncode, killed.stderr
+    else:
+        proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.02)
+        try:
+            from dtf.train.heartbeat import path_of, read
+
+            deadline = time.monotonic() + 120
+            beat = None
+            while beat is None and proc.poll() is None and time.monotonic() < deadline:
+                beat = read(path_of(run_dir, 1))
+                time.sleep(0.05)
+            step_40 = run_dir / "checkpoints" / f"step_{40:09d}"
+            while not step_40.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert beat is not None
+            os.kill(beat.pid, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = (tmp_path / "err").read_text()
+    assert code == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("dtf: error: rank 1 failed: killed by signal SIGKILL"), err[-2000:]
+    assert _steps(run_dir / "checkpoints") == [20]
+    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    assert resumed.summary["resumed_from_step"] == 20
+    _same_run(resumed, straight_failing)
+
+
 def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
     args = [*COMMON, "checkpoint.keep_last=3"]
     straight = straight_ddp
@@ -194,10 +300,98 @@ def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: 
     _same_run(resumed, straight)
 
 
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
 def test_resume_never_starts_fresh(tmp_path: Path) -> None:
     _ok(run_dtf([*COMMON, "trainer.max_steps=30"], tmp_path / "run"))
+    # A resume after the model changed shape: one line naming the first tensor that differs and both
+    # shapes, bad input (2), and the checkpoints left as they were.
+    checkpoints = _contents(tmp_path / "run" / "checkpoints")
+    other = run_dtf([*COMMON, "trainer.max_steps=30", "model.hidden=64"], tmp_path / "run")
+    newest = tmp_path / "run" / "checkpoints" / f"step_{30:09d}"
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert other.stderr.strip().splitlines() == [
+        f"dtf: error: checkpoint {newest} does not fit this run: model.net.0.weight has the shape [100, 2] there "
+        "and [64, 2] here; resume with the model and optimizer it was trained with, or start over with "
+        "checkpoint.resume=never (its checkpoints are moved aside) or another hydra.run.dir"
+    ]
+    assert _contents(tmp_path / "run" / "checkpoints") == checkpoints
     again = _ok(run_dtf([*COMMON, "trainer.max_steps=30", "checkpoint.resume=never"], tmp_path / "run"))
     assert again.summary["resumed_from_step"] is None
+
+
+def test_a_non_finite_loss_on_one_rank_stops_the_run_at_that_step_with_its_checkpoints_finite(tmp_path: Path) -> None:
+    # rank 1's loss is NaN at step 45; on_nonfinite=stop is the default
+    model = ["model._target_=user_models.NonFiniteModel", "+model.at_call=45", "+model.ranks=[1]"]
+    run = run_dtf([*COMMON, *model, f"trainer.max_steps={N}"], tmp_path / "run")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [
+        "dtf: error: training diverged: the loss or its gradients are not finite (NaN or inf) at step 45 "
+        "(trainer.on_nonfinite=stop); the run stopped there and its newest checkpoint, step_000000040, holds the "
+        "last finite state: lower optimizer.lr, set trainer.grad_clip_norm, or leave such steps out with "
+        "trainer.on_nonfinite=skip"
+    ]
+    assert not (run.run_dir / "summary.json").exists() and not (run.run_dir / "model.pt").exists()
+    assert _steps(run.run_dir / "checkpoints") == [20, 40]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run.run_dir / "checkpoints" / f"step_{40:09d}", tmp_path / "whole.pt")
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)
+    tensors = [t for t in _leaves(state) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    assert len(tensors) >= 6 and all(torch.isfinite(t).all() for t in tensors)
+
+
+def _leaves(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [leaf for value in obj.values() for leaf in _leaves(value)]
+    if isinstance(obj, list | tuple):
+        return [leaf for value in obj for leaf in _leaves(value)]
+    return [obj]
+
+
+def _user_namespaces() -> bool:
+    import shutil
+
+    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    if not _user_namespaces():
+        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
+    # The run dir on a tmpfs of its own (in a mount namespace: no root needed, gone with the test).
+    # Rank 1 fills it at its 62nd forward (step 55), so the save of step 60 finds no space; the
+    # test then frees the space and runs the same command, which continues from step 40.
+    disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    args = [*TEST_DEFAULTS, *FAILING, f"hydra.run.dir={run_dir}"]
+    dtf = " ".join([shlex.quote(sys.executable), "-m", "dtf", *map(shlex.quote, args)])
+    full = ["+model.how=fill_disk", "+model.fail_at_call=62", f"+model.fill_path={disk / 'ballast'}"]
+    script = f"""
+        mount -t tmpfs -o size=64m tmpfs {disk} || exit 99
+        {dtf} {" ".join(map(shlex.quote, full))} >{tmp_path}/full.out 2>{tmp_path}/full.err
+        echo $? >{tmp_path}/full.status
+        rm {disk}/ballast
+        {dtf} +model.fail_rank=-1 >{tmp_path}/rerun.out 2>{tmp_path}/rerun.err
+        echo $? >{tmp_path}/rerun.status
+        cp {run_dir}/summary.json {tmp_path}/summary.json
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=dtf_env(), cwd=tmp_path, timeout=400, check=True)
+    err = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: no space left on the device of {run_dir / 'checkpoints'} while saving the checkpoint of step "
+        "60 (its files were removed; of the earlier checkpoints, step_000000040 is intact and a rerun continues "
+        "from it): free space there, or keep fewer (checkpoint.keep_last) or put them on a larger disk "
+        "(checkpoint.dir, hydra.run.dir), then run the same command to continue"
+    ]
+    assert (tmp_path / "rerun.status").read_text().strip() == "0", (tmp_path / "rerun.err").read_text()[-3000:]
+    resumed = DtfRun(0, (tmp_path / "rerun.out").read_text(), "", tmp_path)  # its summary.json, copied out
+    assert resumed.summary["resumed_from_step"] == 40
+    _same_run(resumed, straight_failing)
 
 
 def test_resume_onto_another_world_size_and_strategy(tmp_path: Path, straight_ddp: DtfRun) -> None:

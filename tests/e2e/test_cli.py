@@ -47,6 +47,22 @@ def test_default_job_trains_and_writes_its_run_dir(dtf) -> None:  # type: ignore
     assert (run.run_dir / ".hydra" / "config.yaml").exists()
     assert list((run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "final train loss" in run.stdout and "test loss" in run.stdout
+    _loads_by_position(run.run_dir / "model.pt")
+
+
+def _loads_by_position(weights_file: Path) -> None:
+    """model.pt keeps the module's state_dict() order (what torch.save(model.state_dict()) gives),
+    so weights map by position: into Maggy's own approximator, whose layers are named fc1..fc3."""
+    import torch
+    from torch import nn
+
+    from dtf.models.approximator import Approximator
+
+    weights = torch.load(weights_file, weights_only=True)
+    assert list(weights) == list(Approximator().state_dict())
+    maggy = nn.ModuleDict({"fc1": nn.Linear(2, 100), "fc2": nn.Linear(100, 100), "fc3": nn.Linear(100, 1)})
+    maggy.load_state_dict(dict(zip(maggy.state_dict(), weights.values(), strict=True)))
+    assert torch.equal(maggy["fc3"].bias, weights["net.4.bias"])
 
 
 def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-untyped-def]
@@ -91,7 +107,7 @@ def test_help_lists_groups_and_options() -> None:
     ).stdout
     for line in (
         "model: approximator, deep_mlp, mnist_cnn",
-        "data: digits, fake_images, petastorm, scalar_field",
+        "data: digits, fake_images, parquet, petastorm, scalar_field",
         "strategy: ddp, fsdp, mics, zero",
         "launcher: local, slurm, spark",
     ):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TEST_DEFAULTS, dtf_env, run_dtf
+from tests.helpers.sockets import descendants
 
 # A long run whose every forward sleeps: a signal always lands in the middle of training.
 SLOW = [
@@ -24,23 +25,6 @@ SLOW = [
     "trainer.log_every_n_steps=10",
     "checkpoint.every_n_steps=20",
 ]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (its children, theirs, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
@@ -64,17 +48,17 @@ def _interrupt(
         time.sleep(0.05)
     assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
     if every:
-        _signal_all([proc.pid, *_descendants(proc.pid)], sig)
+        _signal_all([proc.pid, *descendants(proc.pid)], sig)
     elif group:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
-    ranks = _descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
+    ranks = descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
     try:
         code = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
-            _signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
+            _signal_all([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
         _signal_all(ranks, signal.SIGKILL)  # none left, unless the driver died before them
     return code, (tmp_path / "err").read_text()
 
@@ -97,6 +81,32 @@ def test_a_signal_that_is_not_a_stop_request_ends_the_run_as_interrupted(
     assert last.startswith(f"dtf: interrupted by {sig.name}"), err[-2000:]
     assert "stopped by" not in err and "Traceback" not in err
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_ctrl_c_leaves_nothing_to_print_after_the_run_has_ended(tmp_path: Path) -> None:
+    # The ranks' DataLoader workers hold semaphores, registered with the resource tracker the driver
+    # started; ranks killed by the agent leave them to it, and it cleans them up once the driver has
+    # ended (after the shell's prompt) with a warning per run: "leaked semaphore objects".
+    log, err = tmp_path / "log", tmp_path / "err"
+    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, "data.num_workers=2"]
+    cmd.append(f"hydra.run.dir={tmp_path / 'run'}")
+    with open(log, "w") as out, open(err, "w") as errors:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=errors, env=dtf_env(), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    below = descendants(proc.pid)  # the ranks, their workers, the resource tracker
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        assert proc.wait(timeout=90) == 128 + signal.SIGINT
+        deadline = time.monotonic() + 30  # what outlives the driver has ended, and printed what it would
+        while any(Path(f"/proc/{pid}").exists() for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        _signal_all([proc.pid, *below], signal.SIGKILL)
+    lines = err.read_text().strip().splitlines()
+    assert lines[-1].startswith("dtf: interrupted by SIGINT"), lines[-5:]
+    assert "leaked" not in err.read_text() and "Traceback" not in err.read_text(), err.read_text()[-2000:]
 
 
 def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path: Path) -> None:

@@ -65,15 +65,40 @@ def test_one_rank_on_each_of_two_hosts_is_two_ranks_on_one(
     assert "rank 0's node writes" in runs[1].stdout and "differs from rank 0's" not in runs[1].stdout
 
 
+def _sockets(report_dir: Path) -> list[tuple[int, str, int]]:
+    """What the ranks' ListeningSockets saw their run listen on (each from its own host)."""
+    import json
+
+    return sorted({tuple(s) for f in report_dir.glob("sockets_*.json") for s in json.loads(f.read_text())})
+
+
 def test_two_ranks_on_each_of_two_hosts_are_four_ranks_on_one(hosts: list[str], tmp_path: Path) -> None:
-    one = run_dtf([*SHORT_RUN, "launcher.nproc=4"], tmp_path / "one")
+    # The model also lists the sockets each run listens on, from its ranks: the stores (the
+    # rendezvous', rank 0's process group's) and gloo listen on loopback on one host, and on the
+    # address that reaches the other hosts across hosts, never on every interface.
+    (tmp_path / "one_sockets").mkdir()
+    (tmp_path / "two_sockets").mkdir()
+    model = ["model._target_=user_models.ListeningSockets"]
+    one = run_dtf(
+        [*SHORT_RUN, *model, f"+model.report_dir={tmp_path / 'one_sockets'}", "launcher.nproc=4"], tmp_path / "one"
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    runs = run_on_hosts(hosts, [*SHORT_RUN, "launcher.nproc=2"], tmp_path / "two")
+    runs = run_on_hosts(
+        hosts,
+        [*SHORT_RUN, *model, f"+model.report_dir={tmp_path / 'two_sockets'}", "launcher.nproc=2"],
+        tmp_path / "two",
+    )
     for run in runs:
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     s = runs[0].summary
     assert s["world_size"] == 4 and s["params_sha256_consistent"]
     assert s["params_sha256"] == one.summary["params_sha256"]
+    on_one = _sockets(tmp_path / "one_sockets")
+    assert len({pid for pid, _, _ in on_one}) >= 5 and {a for _, a, _ in on_one} == {"127.0.0.1"}, on_one
+    across = _sockets(tmp_path / "two_sockets")
+    addresses = {a for _, a, _ in across}
+    assert addresses and all(a.startswith("198.18.0.") for a in addresses), across  # scripts/local-hosts.sh's
+    assert "nodes connected over eth0 (198.18.0.1)" in runs[0].stdout, runs[0].stdout[-2000:]
 
 
 def test_a_node_whose_config_differs_runs_rank_0s_and_says_so(hosts: list[str], tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def test_every_experiment_and_recipe_composes_validates_and_runs_for_a_tiny_budg
 
 
 def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
-    from dtf.strategy.memory import host_memory_available
+    from dtf.memory import host_memory_available
 
     # 4 DDP replicas of the 32-layer ViT-H with AdamW's state: 37.6 GiB. On a machine with more
     # free memory than that, deepen it until 4 replicas cannot fit there either (each layer of
@@ -100,4 +100,7 @@ def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> Non
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("dtf: error: trainer.memory_check: the model's state needs"), lines[0]
     assert "M parameters" in lines[0] and "DDP: a full replica on every rank" in lines[0]
+    # refused on the driver: no rank started (none named; no rank's logs), nothing written
+    assert lines[0].endswith("or set trainer.memory_check=warn to run anyway"), lines[0]
+    assert not (run.run_dir / "logs").exists()
     assert not (run.run_dir / "summary.json").exists() and not (run.run_dir / "checkpoints").exists()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHORT_RUN, DtfRun, run_dtf
+from dtf.dist.env import free_port
+from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.helpers.clusters import script_cluster
 
 SHORT = SHORT_RUN
@@ -97,10 +102,89 @@ def test_an_unreachable_master_is_one_line(dtf) -> None:  # type: ignore[no-unty
     ]
 
 
+# How long a run waits for executors to register (dtf's default: 60 s), shorter for a test.
+WAITING = "+launcher.spark_conf={spark.scheduler.maxRegisteredResourcesWaitingTime: 20s}"
+
+
 def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, master: str) -> None:
-    run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3"], tmp_path / "run", timeout=180)
+    import re
+
+    run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3", WAITING], tmp_path / "run")
     assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("dtf: error: launcher.nproc is more than the Spark")
+    assert re.fullmatch(  # 2 once both executors have registered (on a busy machine, maybe not yet)
+        r"dtf: error: launcher\.nproc=3 is more than the Spark cluster's task slots: it had [012] after waiting 20 s "
+        r"for executors to register \(spark\.scheduler\.maxRegisteredResourcesWaitingTime\); a barrier stage needs "
+        r"one for every rank at once: lower launcher\.nproc or add executors/cores",
+        run.stderr.strip().splitlines()[-1],
+    ), run.stderr[-2000:]
+
+
+def test_a_run_started_before_the_clusters_workers_waits_for_their_executors(tmp_path: Path) -> None:
+    # A master alone, as right after a cluster's (re)start: the run's application registers, and a
+    # worker with 2 cores comes 10 s later (Spark's own barrier check gives up after 6 s).
+    import os
+    import signal
+
+    spark_home = Path(
+        subprocess.run(
+            [sys.executable, "-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    url = f"spark://127.0.0.1:{free_port('127.0.0.1')}"
+    env = {**dtf_env(), "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    daemons = []
+
+    def start(*args: str) -> None:
+        log = open(tmp_path / f"{args[0].rsplit('.', 1)[-1]}.log", "w")  # noqa: SIM115 (the daemon keeps it)
+        daemons.append(
+            subprocess.Popen(
+                [str(spark_home / "bin" / "spark-class"), *args],
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
+        )
+
+    try:
+        port = url.rsplit(":", 1)[1]
+        start("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", port, "--webui-port", "0")
+        deadline = time.monotonic() + 60
+        while "I have been elected leader" not in (tmp_path / "Master.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = open(tmp_path / "run.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SHORT, "launcher=spark", f"launcher.master={url}"]
+        run = subprocess.Popen([*cmd, f"hydra.run.dir={tmp_path / 'run'}"], stdout=log, stderr=log, env=dtf_env())
+        deadline = time.monotonic() + 120  # the run's application has registered with the master ...
+        while "Registering app" not in (tmp_path / "Master.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(10)  # ... and waited longer than Spark's own barrier check does (3 times 2 s)
+        (tmp_path / "work").mkdir()
+        start(
+            "org.apache.spark.deploy.worker.Worker",
+            "--host",
+            "127.0.0.1",
+            "--cores",
+            "2",
+            "--memory",
+            "2g",
+            "--webui-port",
+            "0",
+            "--work-dir",
+            str(tmp_path / "work"),
+            url,
+        )
+        code = run.wait(timeout=300)
+        assert code == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        for daemon in daemons:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGTERM)
+            daemon.wait(timeout=60)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.parametrize(

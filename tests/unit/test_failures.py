@@ -38,3 +38,17 @@ def test_a_rank_killed_before_it_could_record_anything_is_blamed_over_its_peers(
     _record(tmp_path, 0, "Connection reset by peer")
     error = failed_rank(_child_failed(rank0=1, rank1=-signal.SIGKILL), str(tmp_path))
     assert str(error).startswith("rank 1 failed: killed by signal SIGKILL"), error
+
+
+def test_a_rank_that_died_before_dtf_ran_in_it_is_told_where_its_output_is(tmp_path: Path) -> None:
+    # No record and no error file: it died while starting (a script run again in it, say). Rank 1's
+    # stderr is a file of the run's logs; rank 0's goes to the terminal, above the error line.
+    stderr = tmp_path / "logs" / "a1b2c3_x" / "attempt_0" / "1" / "stderr.log"
+    stderr.parent.mkdir(parents=True)
+    stderr.write_text("Traceback ...\n")
+    error = failed_rank(_child_failed(rank1=1), str(tmp_path))
+    assert str(error) == f"rank 1 failed with exit code 1 (its error output: {stderr})"
+    assert (
+        str(failed_rank(_child_failed(rank0=1), str(tmp_path)))
+        == "rank 0 failed with exit code 1 (its output is above)"
+    )

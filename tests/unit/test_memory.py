@@ -1,4 +1,4 @@
-"""trainer.memory_check (dtf.strategy.memory): the estimate follows the ZeRO formulas, measured
+"""trainer.memory_check (dtf.memory): the estimate follows the ZeRO formulas, measured
 optimizer state included; a run that cannot fit is refused in one line, before anything is built;
 the check draws nothing from the run's random streams."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from dtf import memory
 from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig, MemoryCheck, MicsStrategyConfig, ZeroStrategyConfig
-from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.models.deep_mlp import DeepMLP
-from dtf.strategy import build, memory
+from dtf.strategy import build
 
 ADAM = functools.partial(torch.optim.Adam, lr=1e-3)
 N = 4  # ranks
@@ -54,29 +54,29 @@ def test_the_estimate_is_the_zero_formula_of_the_strategy(cfg: object, per_param
     assert found.bytes_per_rank == pytest.approx(per_parameter * params + step_counters, abs=1)
 
 
-def _env() -> DistEnv:
-    return DistEnv(rank=0, world_size=N, local_rank=0, device=torch.device("cpu"))
+def _node() -> memory.Node:
+    return memory.Node(N, torch.device("cpu"))
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(N))
     monkeypatch.setattr(memory, "host_memory_available", lambda: 3 * 2**30)
-    ddp = build(DDPStrategyConfig())
+    ddp = build(DDPStrategyConfig()).state_shares(N)
     with pytest.raises(UserError) as refused:
-        memory.check(lambda: DeepMLP(width=4096, depth=8), ddp, ADAM, _env(), MemoryCheck.refuse)
+        memory.check(lambda: DeepMLP(width=4096, depth=8), ddp, ADAM, _node(), MemoryCheck.refuse)
     line = str(refused.value)
     assert "\n" not in line and line.startswith("trainer.memory_check: the model's state needs")
     assert "3.00 GiB free" in line and "strategy=fsdp" in line and "trainer.memory_check=warn" in line
     # sharded over the 4 ranks, a quarter of it fits
-    assert memory.check(lambda: DeepMLP(width=4096, depth=8), build(FSDPStrategyConfig()), ADAM, _env(), "refuse")
+    fsdp = build(FSDPStrategyConfig()).state_shares(N)
+    assert memory.check(lambda: DeepMLP(width=4096, depth=8), fsdp, ADAM, _node(), MemoryCheck.refuse)
 
 
 def test_warn_says_so_and_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(memory, "host_memory_available", lambda: 1000)
-    found = memory.check(DeepMLP, build(DDPStrategyConfig()), ADAM, _env(), MemoryCheck.warn)
+    found = memory.check(DeepMLP, memory.WHOLE_REPLICA, ADAM, _node(), MemoryCheck.warn)
     assert found is not None
     assert capsys.readouterr().out.startswith("dtf: warning: trainer.memory_check: the model's state needs")
-    assert memory.check(DeepMLP, build(DDPStrategyConfig()), ADAM, _env(), MemoryCheck.off) is None
+    assert memory.check(DeepMLP, memory.WHOLE_REPLICA, ADAM, _node(), MemoryCheck.off) is None
 
 
 def test_the_check_draws_nothing_from_the_runs_random_streams() -> None:
@@ -85,7 +85,7 @@ def test_the_check_draws_nothing_from_the_runs_random_streams() -> None:
         return DeepMLP()
 
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
-    memory.check(drawing_model, build(DDPStrategyConfig()), ADAM, _env(), MemoryCheck.refuse)
+    memory.check(drawing_model, memory.WHOLE_REPLICA, ADAM, _node(), MemoryCheck.refuse)
     after = (torch.rand(1).item(), random.random(), np.random.rand())
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     assert after == (torch.rand(1).item(), random.random(), np.random.rand())

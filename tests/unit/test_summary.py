@@ -47,6 +47,7 @@ LOOP = EVERY_RUN | {
     "first_step_s",
     "compiled_graphs",
     "skipped_steps",
+    "nonfinite_steps_skipped",
     "config_sha256_by_rank",
     "config_consistent",
     "samples_seen",

@@ -32,10 +32,12 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.mark.parametrize("steps", [45, 63, 126])  # mid-epoch, the last batch of an epoch, the end of epoch 2
 def test_a_finished_run_run_again_ends_where_it_ended(tmp_path: Path, steps: int) -> None:
     first = _run(tmp_path, "run", f"trainer.max_steps={steps}")
+    written = (tmp_path / "run" / "summary.json").read_bytes()
     again = _run(tmp_path, "run", f"trainer.max_steps={steps}")
-    assert again["resumed_from_step"] == steps
-    _same(again, first)
-    assert again["samples_seen"] == first["samples_seen"]
+    assert again == first and (tmp_path / "run" / "summary.json").read_bytes() == written  # its record, untouched
+    if steps == 45:
+        longer = _run(tmp_path, "run", f"trainer.max_steps={steps + 5}")  # a larger budget trains on
+        assert longer["resumed_from_step"] == steps and longer["global_step"] == steps + 5
 
 
 @pytest.mark.parametrize("accum", [1, 3])
@@ -73,8 +75,14 @@ def test_a_stop_at_any_step_saves_there_and_the_rerun_ends_where_the_straight_ru
 ) -> None:
     # The ranks compare notes after every step (check k after step k + 1) and act on what they
     # posted one exchange before: a signal that arrives before check k stops the run at step k + 2.
+    # (Evaluation only after the last epoch: its batches would be checks too.)
     signal_at = stop_at - 2
-    args = [f"trainer.grad_accum_steps={accum}", "trainer.max_epochs=3", "checkpoint.stop_check_every_n_steps=1"]
+    args = [
+        f"trainer.grad_accum_steps={accum}",
+        "trainer.max_epochs=3",
+        "checkpoint.stop_check_every_n_steps=1",
+        "trainer.eval_every_n_epochs=3",
+    ]
     straight = _run(tmp_path, "straight", *args)
     stopped = train_in_process([*SMALL, *args], tmp_path / "stopped", StopAtCheck(signal_at))
     assert isinstance(stopped, Stopped), stopped
@@ -88,12 +96,30 @@ def test_a_stop_at_any_step_saves_there_and_the_rerun_ends_where_the_straight_ru
     assert resumed["samples_seen"] == straight["samples_seen"] == 3 * 2000
 
 
-def test_a_stop_signal_at_the_last_step_finishes_the_run(tmp_path: Path) -> None:
-    args = ["trainer.max_steps=30", "checkpoint.stop_check_every_n_steps=1"]
+@pytest.mark.parametrize(
+    ("max_steps", "signal_at", "stop_at"),
+    [
+        (66, 62, 63),  # read at the first check in epoch 1's evaluation (after its first batch)
+        (30, 28, 30),  # read at the last step, where there is no step left to stop: the final evaluation stops
+    ],
+)
+def test_a_stop_during_an_evaluation_abandons_it_and_the_rerun_ends_where_the_straight_run_ends(
+    tmp_path: Path, max_steps: int, signal_at: int, stop_at: int
+) -> None:
+    # checks after every step and every evaluation batch: check 62 comes after step 63, check 63
+    # after epoch 1's first evaluation batch (abandoned there, epoch 1 ended by the rerun). The
+    # model draws random numbers in evaluation, and its dropout in training after it.
+    args = [
+        f"trainer.max_steps={max_steps}",
+        "checkpoint.stop_check_every_n_steps=1",
+        "model._target_=user_models.RandomInEvaluation",
+    ]
     straight = _run(tmp_path, "straight", *args)
-    finished = train_in_process([*SMALL, *args], tmp_path / "late", StopAtCheck(28))  # would stop at step 30
-    assert isinstance(finished, dict)
-    _same(finished, straight)
+    stopped = train_in_process([*SMALL, *args], tmp_path / "stopped", StopAtCheck(signal_at))
+    assert isinstance(stopped, Stopped) and stopped.step == stop_at, stopped
+    resumed = _run(tmp_path, "stopped", *args)
+    assert resumed["resumed_from_step"] == stop_at
+    _same(resumed, straight)
 
 
 def _masked_step(model: torch.nn.Module, batch: Any, loss_fn: Any) -> tuple[torch.Tensor, int]:

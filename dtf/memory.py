@@ -1,5 +1,6 @@
-"""The memory pre-flight check (trainer.memory_check): before a rank builds the model, will its
-state fit?
+"""The memory pre-flight check (trainer.memory_check): before the ranks build the model, will its
+state fit? Checked on the driver where it runs on the ranks' machine (launcher=local: before any
+rank starts, see check_before_start), else by each node's local rank 0 (SLURM, Spark).
 
 The model is built on the meta device (no memory, no random numbers drawn); the configured
 optimizer steps once on two small probe parameters, which measures its state per parameter
@@ -14,22 +15,47 @@ run it refuses cannot fit, and one it lets through may still not.
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from dtf.config.schema import MemoryCheck
-from dtf.dist.env import DistEnv
 from dtf.errors import UserError
-from dtf.strategy.base import OptimizerFactory, StateShares, Strategy
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 _PROBE_SIZES = (1, 64)
+
+
+@dataclass(frozen=True)
+class StateShares:
+    """The fractions of the model's parameters, gradients and optimizer state one rank holds at its
+    peak: the formulas of the ZeRO paper (Rajbhandari et al., 2020) and of MiCS."""
+
+    params: float
+    grads: float
+    optim: float
+    formula: str  # in words, for messages: "ZeRO-3: all sharded over 4 ranks"
+    on_host: bool = False  # offloaded: in host memory, whatever the device
+
+
+WHOLE_REPLICA = StateShares(1, 1, 1, "DDP: a full replica on every rank")  # the most any strategy holds
+
+
+@dataclass(frozen=True)
+class Node:
+    """Where the ranks of a node run: how many, on what device, and whether this process speaks for
+    them (one line per node)."""
+
+    local_ranks: int
+    device: torch.device
+    speaks: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,25 +166,16 @@ def _cgroup_limits() -> list[tuple[int, int]]:
     return found
 
 
-def check(
-    build: Callable[[], nn.Module],
-    strategy: Strategy,
-    optimizer_factory: OptimizerFactory,
-    env: DistEnv,
-    mode: MemoryCheck,
+def estimate_built(
+    build: Callable[[], nn.Module], optimizer_factory: OptimizerFactory, shares: StateShares, speaks: bool = True
 ) -> Estimate | None:
-    """Refuse (UserError) or warn about a run whose model state cannot fit; the estimate, or None
-    when the check is off or the model cannot be built on meta. build: the model as the run builds
-    it (precision's dtype conversion included)."""
-    if mode == MemoryCheck.off:
-        return None
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one line per node
+    """The estimate of the model build() makes (on the meta device, drawing nothing from the run's
+    random streams); None, said in a line, when it cannot be built there."""
     rng = random.getstate(), np.random.get_state()  # a constructor that draws does not shift the run's streams
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build()
-        found = estimate(model, optimizer_factory, strategy.state_shares(env.world_size))
+        return estimate(model, optimizer_factory, shares)
     except Exception as e:  # a model that cannot be built on meta, an optimizer that needs a closure: run
         if speaks:
             print(
@@ -170,22 +187,83 @@ def check(
     finally:
         random.setstate(rng[0])
         np.random.set_state(rng[1])
-    free: int | None
-    if env.device.type == "cuda" and not found.shares.on_host:
-        need, free = found.bytes_per_rank, torch.cuda.mem_get_info(env.device)[0]
-        where = f"GPU {env.device.index}"
-    else:
-        need, free = found.bytes_per_rank * local_ranks, host_memory_available()
-        where = f"this node ({local_ranks} rank(s))"
-    if free is None or need <= free:
-        return found
+
+
+def shortfall(found: Estimate, node: Node) -> str | None:
+    """Where the node cannot hold what its ranks need, as the refusal says it; None when it can."""
+    if node.device.type == "cuda" and not found.shares.on_host:
+        gpus = [node.device]  # a rank's own; on the driver, each of the node's ranks'
+        if node.device.index is None:
+            gpus = [torch.device("cuda", i) for i in range(node.local_ranks)]
+        for gpu in gpus:  # each rank needs its share on its own GPU
+            free = torch.cuda.mem_get_info(gpu)[0]
+            if found.bytes_per_rank > free:
+                return f"needs {gib(found.bytes_per_rank)} on GPU {gpu.index}, which has {gib(free)} free"
+        return None
+    need, available = found.bytes_per_rank * node.local_ranks, host_memory_available()
+    if available is None or need <= available:
+        return None
+    return f"needs {gib(need)} on this node ({node.local_ranks} rank(s)), which has {gib(available)} free"
+
+
+def judge(found: Estimate, node: Node, mode: MemoryCheck) -> None:
+    """Refuse (UserError) or warn about a run whose model state cannot fit on the node."""
+    short = shortfall(found, node)
+    if short is None or mode == MemoryCheck.off:
+        return
     message = (
-        f"trainer.memory_check: the model's state needs {gib(need)} on {where}, which has {gib(free)} free "
-        f"({found.describe()}); shard it (strategy=fsdp, mics, or zero with strategy.stage=3, and "
-        "strategy.meta_init=true), use fewer ranks per node, or set trainer.memory_check=warn to run anyway"
+        f"trainer.memory_check: the model's state {short} ({found.describe()}); shard it (strategy=fsdp, mics, or "
+        "zero with strategy.stage=3, and strategy.meta_init=true), use fewer ranks per node, or set "
+        "trainer.memory_check=warn to run anyway"
     )
     if mode == MemoryCheck.refuse:
         raise UserError(message)
-    if speaks:
+    if node.speaks:
         print(f"dtf: warning: {message}", flush=True)
+
+
+def check(
+    build: Callable[[], nn.Module],
+    shares: StateShares,
+    optimizer_factory: OptimizerFactory,
+    node: Node,
+    mode: MemoryCheck,
+) -> Estimate | None:
+    """Refuse (UserError) or warn about a run whose model state cannot fit; the estimate, or None
+    when the check is off or the model cannot be built on meta. build: the model as the run builds
+    it (precision's dtype conversion included)."""
+    if mode == MemoryCheck.off:
+        return None
+    found = estimate_built(build, optimizer_factory, shares, node.speaks)
+    if found is not None:
+        judge(found, node, mode)
     return found
+
+
+def check_before_start(
+    build: Callable[[], nn.Module],
+    shares: Callable[[], StateShares],
+    optimizer_factory: OptimizerFactory,
+    node: Node,
+    mode: MemoryCheck,
+) -> None:
+    """check() on the driver, before any rank starts. A whole replica on every rank (the most a
+    strategy holds) is tried first: when that fits, as for most models, the strategies (and
+    torch.distributed's DTensor, which they import) are not loaded here at all."""
+    if mode == MemoryCheck.off:
+        return
+    whole = estimate_built(build, optimizer_factory, WHOLE_REPLICA)
+    if whole is not None and shortfall(whole, node) is not None:
+        check(build, shares(), optimizer_factory, node, mode)
+
+
+def checked_on_driver(launcher: Any) -> bool:
+    """Whether the driver checks before the ranks start: where it runs on the ranks' machine and
+    knows how many there are (launcher=local with a fixed number of nodes, or under torchrun, where
+    every rank is its own driver); on SLURM and Spark each node's local rank 0 does."""
+    from dtf.config.schema import LocalLauncherConfig
+
+    if not isinstance(launcher, LocalLauncherConfig):
+        return False
+    low, high = launcher.node_range()
+    return low == high
