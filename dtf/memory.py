@@ -98,15 +98,24 @@ def optimizer_state_bytes(optimizer_factory: OptimizerFactory, dtype: torch.dtyp
     return per_element, round(held[0] - per_element * _PROBE_SIZES[0])
 
 
-def estimate(model: nn.Module, optimizer_factory: OptimizerFactory, shares: StateShares) -> Estimate:
-    """The model's state (built anywhere, meta included: only shapes and dtypes count), and one rank's share."""
+# Optimizer state per trainable parameter byte that no torch optimizer reaches (Adam keeps 2, 3 with
+# an fp32 master copy): a model that fits with this much fits with any of them.
+OPTIMIZER_STATE_BOUND = 16
+
+
+def estimate(model: nn.Module, optimizer_factory: OptimizerFactory | None, shares: StateShares) -> Estimate:
+    """The model's state (built anywhere, meta included: only shapes and dtypes count), and one rank's
+    share. optimizer_factory None: optimizer state bounded by OPTIMIZER_STATE_BOUND, not measured."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    per_dtype = {dtype: optimizer_state_bytes(optimizer_factory, dtype) for dtype in {p.dtype for p in trainable}}
     optim = 0.0
-    for p in trainable:
-        per_element, per_tensor = per_dtype[p.dtype]
-        optim += per_element * p.numel() + per_tensor
+    if optimizer_factory is None:
+        optim = OPTIMIZER_STATE_BOUND * sum(p.numel() * p.element_size() for p in trainable)
+    else:
+        per_dtype = {dtype: optimizer_state_bytes(optimizer_factory, dtype) for dtype in {p.dtype for p in trainable}}
+        for p in trainable:
+            per_element, per_tensor = per_dtype[p.dtype]
+            optim += per_element * p.numel() + per_tensor
     return Estimate(
         parameters=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -167,7 +176,7 @@ def _cgroup_limits() -> list[tuple[int, int]]:
 
 
 def estimate_built(
-    build: Callable[[], nn.Module], optimizer_factory: OptimizerFactory, shares: StateShares, speaks: bool = True
+    build: Callable[[], nn.Module], optimizer_factory: OptimizerFactory | None, shares: StateShares, speaks: bool = True
 ) -> Estimate | None:
     """The estimate of the model build() makes (on the meta device, drawing nothing from the run's
     random streams); None, said in a line, when it cannot be built there."""
@@ -249,9 +258,14 @@ def check_before_start(
 ) -> None:
     """check() on the driver, before any rank starts. A whole replica on every rank (the most a
     strategy holds) is tried first: when that fits, as for most models, the strategies (and
-    torch.distributed's DTensor, which they import) are not loaded here at all."""
+    torch.distributed's DTensor, which they import) are not loaded here at all. Before it, the same
+    with the optimizer's state bounded: when that fits, the optimizer is not built here either (a
+    torch Optimizer imports torch._dynamo: about 3 s of every run's start on this driver)."""
     if mode == MemoryCheck.off:
         return
+    bounded = estimate_built(build, None, WHOLE_REPLICA)
+    if bounded is None or shortfall(bounded, node) is None:
+        return  # (None: the model cannot be built on meta, said already)
     whole = estimate_built(build, optimizer_factory, WHOLE_REPLICA)
     if whole is not None and shortfall(whole, node) is not None:
         check(build, shares(), optimizer_factory, node, mode)

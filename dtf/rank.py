@@ -16,13 +16,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
 from dtf import failures, rundir
 from dtf.errors import user_error_in
-from dtf.results import EXIT_USER_ERROR, RunResult
+from dtf.results import EXIT_USER_ERROR, RunResult, exit_now
 
 if TYPE_CHECKING:
     from dtf.config.typed import RunConfig
@@ -38,7 +38,10 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
     driver prints its one line), anything else with 1, so the launcher stops the peers.
     payload: dtf.run_function's function and objects."""
     try:
-        return run_rank(cfg, run_dir, payload)
+        result = run_rank(cfg, run_dir, payload)
+        if multiprocessing.parent_process() is not None:
+            _exit_now_on_success()
+        return result
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
@@ -67,6 +70,21 @@ def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Ru
         if status == EXIT_USER_ERROR:
             raise SystemExit(EXIT_USER_ERROR) from None
         raise
+
+
+def _exit_now_on_success() -> None:
+    """A rank the local launcher spawned has done its work: once torch's wrapper has handed its
+    result to the driver, the process ends with multiprocessing's sys.exit(0) (its spawn_main),
+    which here skips the interpreter's teardown (dtf.results.exit_now). Any other status, a failure
+    of that wrapper included, exits as usual."""
+    usual = sys.exit
+
+    def exit(code: str | int | None = None) -> NoReturn:
+        if code is None or code == 0:
+            exit_now(0)
+        usual(code)
+
+    sys.exit = exit
 
 
 def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:

@@ -160,3 +160,32 @@ def test_prepare_writes_a_petastorm_dataset_that_make_reader_reads_like_the_parq
     for (a, b), (c, d) in zip(batches["parquet"], batches["petastorm"], strict=True):
         assert a.shape == c.shape == (32, 2) and b.shape == d.shape == (32, 1)
         assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_workers_count_auto_takes_a_second_worker_only_where_a_codec_decodes(skewed: Path) -> None:
+    """auto: 1 worker for columns read as stored (benchmarks/data.py: a second thread only contends
+    for the GIL there), 2 where a Petastorm codec decodes images or arrays (OpenCV, zlib: no GIL)."""
+    from types import SimpleNamespace
+
+    from dtf.data.parquet.petastorm_format import Codec, PetastormField, Unischema
+
+    def field(name: str, codec: Codec | None) -> PetastormField:
+        return PetastormField(name, None, (), codec, False)
+
+    schema = Unischema(
+        "s",
+        {
+            "image": field("image", Codec("image", image_format="png")),
+            "label": field("label", Codec("scalar", spark_type="IntegerType")),
+            "raw": field("raw", None),
+        },
+    )
+    src = SimpleNamespace(unischema=schema)
+    assert parquet._workers("auto", src, ["image"], row_reader=True) == 2  # type: ignore[arg-type]
+    assert parquet._workers("auto", src, ["label", "raw"], row_reader=True) == 1  # type: ignore[arg-type]
+    assert parquet._workers("auto", src, ["image"], row_reader=False) == 1  # type: ignore[arg-type]
+    assert parquet._workers(3, src, ["label"], row_reader=True) == 3  # type: ignore[arg-type]
+    train, _ = parquet.build(make("data=parquet", f"data.path={skewed}").data, DistEnv(0, 1, 0, torch.device("cpu")), 0)
+    assert train.stream.reader.workers_count == 1  # type: ignore[attr-defined]
+    with pytest.raises(UserError, match=r"data\.workers_count=0 is invalid: use auto or 1 or more"):
+        typed(make("data=parquet", f"data.path={skewed}", "data.workers_count=0"))
