@@ -98,8 +98,9 @@ def optimizer_state_bytes(optimizer_factory: OptimizerFactory, dtype: torch.dtyp
     return per_element, round(held[0] - per_element * _PROBE_SIZES[0])
 
 
-# Optimizer state per trainable parameter byte that no torch optimizer reaches (Adam keeps 2, 3 with
-# an fp32 master copy): a model that fits with this much fits with any of them.
+# Optimizer state per trainable parameter byte beyond what torch's optimizers keep (Adam 2, 3 with
+# amsgrad): a model that fits with this much fits with any of them. (LBFGS's history can hold more,
+# but it needs a closure, so optimizer_state_bytes cannot measure it either.)
 OPTIMIZER_STATE_BOUND = 16
 
 
