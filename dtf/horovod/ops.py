@@ -12,6 +12,8 @@ collectives by order, where Horovod's coordinator matched them by name.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import os
 from collections.abc import Callable
@@ -121,11 +123,20 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if found.rank == 0:
         world_env.remove_rendezvous_file()
     _state.world, _state.owns_group, _state.rounds = found, True, 0
+    # As Horovod's init: a script that never calls shutdown() leaves the group at exit, not to the
+    # interpreter's teardown, which aborts a process whose gloo threads still run ("terminate
+    # called without an active exception", seen under mpirun).
+    atexit.register(shutdown)
 
 
 def shutdown() -> None:
-    """Leaves the job: ends the process group if init() made it."""
+    """Leaves the job: ends the process group if init() made it, once every rank has come to leave
+    (as Horovod's shutdown, which its ranks negotiate). A rank that leaves while a peer still
+    tears down its group takes the rendezvous store with it (rank 0 holds it): the peer then
+    aborts at exit ("terminate called without an active exception", seen under mpirun)."""
     if _state.owns_group and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer that is gone already: nothing to wait for
+            dist.barrier()
         dist.destroy_process_group()
     _state.world, _state.owns_group, _state.rounds = None, False, 0
     _state.pending.clear()
