@@ -5,12 +5,10 @@ package index) skips it, saying why."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
-
 from dtf import sideenv
+from tests.helpers.clusters import skip_if_asked
 
 
 def side_python(name: str) -> Path:
@@ -18,12 +16,8 @@ def side_python(name: str) -> Path:
     try:
         return sideenv.ensure(name)
     except sideenv.SideEnvError as e:
-        if os.environ.get("DTF_SKIP_SIDE_VENV_TESTS") == "1":
-            pytest.skip(
-                f"the side environment {name} could not be made ({e}); "
-                "skipped because DTF_SKIP_SIDE_VENV_TESTS=1 (unset it to run them)"
-            )
-        pytest.fail(
-            f"the side environment {name} could not be made: {e} "
-            "(set DTF_SKIP_SIDE_VENV_TESTS=1 to skip these tests on a machine without a package index)"
+        skip_if_asked(
+            f"the side environment {name} could not be made ({e})",
+            "DTF_SKIP_SIDE_VENV_TESTS",
+            "these tests on a machine without a package index",
         )
