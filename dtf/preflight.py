@@ -273,6 +273,8 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
     if cfg.trainer.get("fn") is not None:
         return  # trainer=function: the objective names a value the function returns (checked when it has)
     split, _, value = t.objective.partition("/")
+    if t.objective == "auto":
+        return  # a loss: every run computes it
     if value != "loss" and value not in metrics:
         names = ", ".join(f"{split}/{n}" for n in ["loss", *map(str, metrics)])
         raise UserError(f"trainer.objective={t.objective} names no value this run computes: choose one of {names}")

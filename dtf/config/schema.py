@@ -81,10 +81,17 @@ class TrainerConfig:
     warmup_start_factor: float | None = None
     seed: int = 0
     deterministic: bool = False
-    eval_every_n_epochs: int = 1
-    # What the run is judged by (summary.json's objective; sweeps compare runs by it): test/loss,
-    # train/loss, or test/<name> / train/<name> of a configured metric (e.g. test/accuracy).
-    objective: str = "test/loss"
+    # Evaluate on the validation split (the test split where there is none) every n epochs: a
+    # whole number, or a fraction of an epoch below 1 (0.25: four times an epoch); and always at
+    # the end of training. eval_every_n_steps adds evaluations every n optimizer steps.
+    eval_every_n_epochs: float = 1
+    eval_every_n_steps: int | None = None
+    # What the run is judged by (summary.json's objective; sweeps, pruning, early stopping and the
+    # best checkpoint compare by it): <split>/loss or <split>/<metric> of a configured metric, split
+    # val, test or train (e.g. val/accuracy). auto: val/loss where the data has a validation
+    # split, else test/loss (the start line warns: choosing on the test set biases its score), else
+    # train/loss. With a validation split, the test split is evaluated once, at the end.
+    objective: str = "auto"
     objective_mode: ObjectiveMode = ObjectiveMode.min  # max for accuracy-like objectives
     # Also compute the metrics on the training batches (an update per micro-batch); by default
     # metrics are computed at evaluation only.
@@ -127,6 +134,8 @@ class TrainerConfig:
     # rank(s) that got the least far and kills them (dtf.launch.stalls). null: the larger of 300 s
     # and 50 median step times. Start-up, the first step and checkpoint saves get dist_timeout_s.
     stall_timeout_s: float | None = None
+    # End training when the objective has not improved for `patience` evaluations.
+    early_stopping: EarlyStoppingConfig = field(default_factory=lambda: EarlyStoppingConfig())
 
     def __post_init__(self) -> None:
         self._check_performance_switches()
@@ -158,13 +167,26 @@ class TrainerConfig:
         )
         split, _, name = self.objective.partition("/")
         require(
-            split in ("test", "train") and bool(name),
+            self.objective == "auto" or (split in ("val", "test", "train") and bool(name)),
             "trainer.objective",
             self.objective,
-            "name a split and a value: test/loss, train/loss or test/<metric>, e.g. test/accuracy",
+            "name a split and a value: val/loss, test/loss, train/loss or <split>/<metric>, e.g. val/accuracy; or auto",
         )
         require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", self.log_every_n_steps, "use 1 or more")
-        require(self.eval_every_n_epochs >= 1, "trainer.eval_every_n_epochs", self.eval_every_n_epochs, "use 1 or more")
+        every = self.eval_every_n_epochs
+        require(
+            0 < every < 1 or (every >= 1 and float(every).is_integer()),
+            "trainer.eval_every_n_epochs",
+            every,
+            "use a whole number of epochs (1 or more) or a fraction of one below 1 (e.g. 0.5), or set "
+            "trainer.eval_every_n_steps",
+        )
+        require(
+            self.eval_every_n_steps is None or self.eval_every_n_steps >= 1,
+            "trainer.eval_every_n_steps",
+            self.eval_every_n_steps,
+            "use a positive number of optimizer steps, or null",
+        )
         require(
             self.dist_timeout_s > 0, "trainer.dist_timeout_s", self.dist_timeout_s, "use a positive number of seconds"
         )
@@ -214,6 +236,43 @@ class TrainerConfig:
         """Optimizer steps in an epoch of num_batches micro-batches (the last window may be short)."""
         return math.ceil(num_batches / self.grad_accum_steps)
 
+    def eval_every_epochs(self) -> int | None:
+        """Evaluate at the end of every n-th epoch (None: eval_every_n_epochs is a fraction, so every epoch)."""
+        return int(self.eval_every_n_epochs) if self.eval_every_n_epochs >= 1 else None
+
+    def eval_step_interval(self, steps_per_epoch: int) -> int | None:
+        """Optimizer steps between evaluations within an epoch: eval_every_n_steps, or the fraction
+        of an epoch eval_every_n_epochs gives (None: at epoch ends only)."""
+        if self.eval_every_n_steps is not None:
+            return self.eval_every_n_steps
+        if self.eval_every_n_epochs < 1:
+            return max(1, round(self.eval_every_n_epochs * steps_per_epoch))
+        return None
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """trainer.early_stopping: end training once the objective stops improving (as Lightning's
+    EarlyStopping): after `patience` evaluations in a row none of which beat the best so far by
+    more than min_delta (in the objective's direction). null patience: never."""
+
+    patience: int | None = None
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.patience is None or self.patience >= 1,
+            "trainer.early_stopping.patience",
+            self.patience,
+            "use 1 or more evaluations, or null for no early stopping",
+        )
+        require(
+            self.min_delta >= 0,
+            "trainer.early_stopping.min_delta",
+            self.min_delta,
+            "use 0 or a positive improvement",
+        )
+
 
 @dataclass
 class CheckpointConfig:
@@ -224,6 +283,9 @@ class CheckpointConfig:
     at_end: bool = True
     # Complete checkpoints kept; older ones are deleted once a newer one is committed.
     keep_last: int = 2
+    # Also keep the k checkpoints with the best objective (trainer.objective) at an evaluation,
+    # and <run_dir>/best_model.pt, the weights of the best evaluation (full state dict).
+    keep_best: int = 0
     # auto: continue from the newest complete checkpoint in the run dir, if any;
     # never: start fresh; or the path of a step_* checkpoint folder (of any run).
     resume: str = "auto"
@@ -247,6 +309,7 @@ class CheckpointConfig:
             "use a positive number of optimizer steps, or null to save only at the end",
         )
         require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
+        require(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "use 0 (none) or more checkpoints")
         require(
             self.stop_check_every_n_steps is None or self.stop_check_every_n_steps >= 1,
             "checkpoint.stop_check_every_n_steps",

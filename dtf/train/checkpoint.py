@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import EveryRankUserError, UserError
-from dtf.files import write_atomically
+from dtf.files import write_atomically, write_json
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
@@ -47,6 +47,7 @@ MARKER = "COMMITTED.json"
 _NEARLY_FULL_BYTES = 1 << 20  # a save that failed with less than this left on its disk ran out of space
 TRAINER_FILE = "trainer.pt"
 _PREFIX = "step_"
+BEST_FILE = "best.json"  # checkpoint.keep_best: the best checkpoints and their objective
 
 
 def _torch_save_synced(obj: Any, path: Path) -> None:
@@ -319,6 +320,9 @@ class Checkpointer:
         self.every_n_steps = cfg.every_n_steps
         self.at_end = cfg.at_end
         self.keep_last = cfg.keep_last
+        self.keep_best = cfg.keep_best
+        self._best: list[list[float]] = []  # [step, objective] of the checkpoints kept as the best
+        self._objective = ""
         self.strategy_name = strategy_name
         self.async_save = cfg.async_save
         multi = dist.is_initialized() and env.world_size > 1
@@ -434,12 +438,26 @@ class Checkpointer:
             self._prune()
         _barrier()
 
+    def keep_steps(self, objective: str, best: list[list[float]]) -> None:
+        """checkpoint.keep_best: the checkpoints of these steps ([step, objective value], best
+        first) are kept beside the newest keep_last, and listed in best.json."""
+        self._objective, self._best = objective, [list(sv) for sv in best]
+        if self.keep_best and self.env.is_main and self._pending is None and self.root.is_dir():  # else at a commit
+            self._prune()
+
     def _prune(self) -> None:
-        """Delete all but the newest keep_last complete checkpoints (incomplete ones too: never loadable)."""
-        keep = set(committed(self.root)[: self.keep_last])
+        """Delete all but the newest keep_last complete checkpoints and the keep_best best ones
+        (incomplete ones too: never loadable); best.json lists the best that exist."""
+        complete = committed(self.root)
+        keep = set(complete[: self.keep_last])
+        best = [(int(step), value) for step, value in self._best if self.path_of(int(step)) in complete]
+        keep.update(self.path_of(step) for step, _ in best)
         for path in self.root.glob(f"{_PREFIX}*"):
             if path not in keep and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+        if self.keep_best:
+            listed = [{"step": step, self._objective: value, "path": self.path_of(step).name} for step, value in best]
+            write_json(self.root / BEST_FILE, {"objective": self._objective, "best": listed})
 
     def load(self, path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's

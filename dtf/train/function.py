@@ -292,7 +292,7 @@ def _finish(
         **run_summary.shared_fields(run, ranks, run_dir),
         result=result,
         objective=_objective(run, result),
-        objective_name=run.trainer.objective if isinstance(result, dict) else "result",
+        objective_name=objective_key(run) if isinstance(result, dict) else "result",
         global_step=ranks[0].steps,
         optimizer_state_bytes=[r.optimizer_state_bytes for r in ranks],
         model_state_bytes=[r.model_state_bytes for r in ranks],
@@ -312,14 +312,19 @@ def _finish(
     return Finished(summary.as_dict())
 
 
+def objective_key(run: RunConfig) -> str:
+    """The returned value trainer.objective names: auto is the function's test/loss."""
+    return "test/loss" if run.trainer.objective == "auto" else run.trainer.objective
+
+
 def _objective(run: RunConfig, result: float | dict[str, Any]) -> float:
     """The value trainer.objective names among the function's returned values (its only one, if one)."""
     if not isinstance(result, dict):
         return float(result)
-    objective_name = run.trainer.objective.partition("/")[2]
+    objective_name = objective_key(run).partition("/")[2]
     if objective_name not in result:
         raise UserError(
-            f"trainer.objective={run.trainer.objective}: the function returned {sorted(result)}; name one of "
+            f"trainer.objective={objective_key(run)}: the function returned {sorted(result)}; name one of "
             f"them, e.g. trainer.objective=test/{sorted(result)[0]}"
         )
     return float(result[objective_name])
@@ -349,7 +354,7 @@ def run_torchrun(run: RunConfig, run_dir: Path, payload: Payload) -> Finished | 
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         result=run_summary.as_json(returned),
         objective=_torchrun_objective(run, returned),
-        objective_name=run.trainer.objective if isinstance(returned, Mapping) else "result",
+        objective_name=objective_key(run) if isinstance(returned, Mapping) else "result",
         objective_mode=run.trainer.objective_mode.value,
         global_step=counter.steps,
         train_seconds=time.perf_counter() - started,
@@ -370,7 +375,7 @@ def _shortened(text: str, limit: int = 200) -> str:
 
 
 def _torchrun_objective(run: RunConfig, returned: Any) -> float | None:
-    value = returned.get(run.trainer.objective.partition("/")[2]) if isinstance(returned, Mapping) else returned
+    value = returned.get(objective_key(run).partition("/")[2]) if isinstance(returned, Mapping) else returned
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 

@@ -22,7 +22,7 @@ from dtf import strategy as strategies
 from dtf.config.schema import MemoryCheck, ParquetDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
-from dtf.data.interface import EvalData, TrainData
+from dtf.data.interface import DataSplits
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.machine import lone_rank_threads_note
@@ -39,6 +39,7 @@ from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
 from dtf.train.progress import TensorBoard
 from dtf.train.rng import seed_everything
+from dtf.train.selection import TEST_BIAS_WARNING, resolve_objective
 from dtf.train.trainer import Pruning, Trainer, supervised_step
 
 
@@ -65,13 +66,16 @@ def run(
 def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
     """A finished run, run again: its summary (untouched, as model.pt and the rest), when the run
     resumed from its final checkpoint, whose weights summary.json describes. Collective."""
-    if trainer.resumed_from_step is None or trainer.state.step < trainer.total_steps:
+    if trainer.resumed_from_step is None:
         return None
     summary: dict[str, Any] | None = None
     if trainer.env.is_main:
         with contextlib.suppress(OSError, ValueError):
             summary = json.loads((run_dir / run_summary.SUMMARY_FILE).read_text())
     recorded = summary if isinstance(summary, dict) and summary.get("global_step") == trainer.state.step else None
+    # Finished: its budget spent, or trainer.early_stopping ended it at this step (its summary says so).
+    if trainer.state.step < trainer.total_steps and not (recorded and recorded.get("stopped_early")):
+        recorded = None
     # The weights must be the ones it describes (not a summary of an earlier run that ended on the same step).
     same = dist_env.broadcast_from_main(recorded is not None)
     if not same:
@@ -105,13 +109,13 @@ def build(
     resume = choose_checkpoint(run, env, run_dir)
     # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
     recorded = recorded_position(resume).canonical_partitions if resume is not None else None
-    train_data, eval_data = setup_data(run, env, recorded)
+    splits = setup_data(run, env, recorded)
     model, optimizer = parts.strategy.setup(parts.model, instantiate(run.composed.optimizer), env)
     # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
     blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
     seed_everything(run.trainer.seed + env.rank)
-    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, train_data, eval_data, beat)
+    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, splits, beat)
     if resume is not None:
         trainer.resume_from(resume)
         if env.is_main:
@@ -170,19 +174,18 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> P
     return Path(chosen) if chosen is not None else None
 
 
-def setup_data(
-    run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int | None
-) -> tuple[TrainData, EvalData | None]:
-    """Training and test batches; recorded_partitions: the canonical partitions of the checkpoint
-    a resumed run starts from (Parquet)."""
-    t = run.trainer
-    train_data, eval_data = loader.build(run.data, env, seed=t.seed, recorded_partitions=recorded_partitions)
-    if eval_data is None and t.objective.startswith("test/") and t.objective != "test/loss":
-        raise UserError(
-            f"trainer.objective={t.objective}: this data has no test set; judge the run by train/loss "
-            "(or a train/<metric> with trainer.train_metrics=true), or give the data a test split"
-        )
-    return train_data, eval_data
+def setup_data(run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int | None) -> DataSplits:
+    """Training, validation and test batches (the objective checked against the splits there
+    are); recorded_partitions: the canonical partitions of the checkpoint a resumed run starts
+    from (Parquet)."""
+    splits = loader.build_splits(run.data, env, seed=run.trainer.seed, recorded_partitions=recorded_partitions)
+    objective_name(run, splits)
+    return splits
+
+
+def objective_name(run: RunConfig, splits: DataSplits) -> str:
+    """trainer.objective as this run computes it (auto resolved)."""
+    return resolve_objective(run.trainer.objective, splits.val is not None, splits.test is not None)
 
 
 def assemble(
@@ -193,12 +196,12 @@ def assemble(
     parts: ModelParts,
     model: nn.Module,
     optimizer: Optimizer,
-    train_data: TrainData,
-    eval_data: EvalData | None,
+    splits: DataSplits,
     beat: Heartbeat | None = None,
 ) -> Trainer:
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
+    objective = objective_name(run, splits)
     checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name)
     trainer = Trainer(
         t,
@@ -209,8 +212,9 @@ def assemble(
         schedule=lr_schedule(run, optimizer, env.world_size),
         loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(run.data)),
         step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
-        train_data=train_data,
-        eval_data=eval_data,
+        train_data=splits.train,
+        val_data=splits.val,
+        test_data=splits.test,
         tensorboard=TensorBoard(run_dir, enabled=t.tensorboard and env.is_main),
         checkpointer=checkpointer,
         metrics=Metrics.build(cfg.get("metrics"), env.device),
@@ -224,8 +228,10 @@ def assemble(
             is_main=env.is_main,
         ),
         precision=parts.precision,
-        pruning=trial_pruning(run, eval_data is not None, env),
+        pruning=trial_pruning(run, objective, env),
         heartbeat=beat,
+        objective=objective,
+        best_model_path=run_dir / run_summary.BEST_WEIGHTS_FILE if ck.keep_best else None,
     )
     trainer.model_state_estimate_bytes = parts.state_estimate_bytes
     return trainer
@@ -252,13 +258,13 @@ def label_source(data: DataConfig) -> str:
     return "data.dataset (its targets)"
 
 
-def trial_pruning(run: RunConfig, has_test_set: bool, env: dist_env.DistEnv) -> Pruning | None:
+def trial_pruning(run: RunConfig, objective: str, env: dist_env.DistEnv) -> Pruning | None:
     """A trial of hydra/sweeper=dtf (its `trial` section) reports to its study and may be pruned."""
     if run.trial is None:
         return None
     from dtf.sweep.study import TrialPruning  # Optuna only where a sweep runs
 
-    return TrialPruning(run.trial, run_summary.objective_of(run, has_test_set), env)
+    return TrialPruning(run.trial, objective, env)
 
 
 def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> None:
@@ -284,6 +290,8 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
     note = lone_rank_threads_note() if env.world_size == 1 else None
     if note:
         print(f"dtf: {note}", flush=True)
+    if trainer.selection.objective.startswith("test/"):
+        print(f"dtf: warning: trainer.objective={trainer.selection.objective}: {TEST_BIAS_WARNING}", flush=True)
     if t.warmup_steps >= trainer.schedule.plan.total:
         print(
             f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "

@@ -34,6 +34,18 @@ class TrainState:
     # Parquet, the number of canonical partitions whose sequence it is a position in (None: none).
     global_batch: int | None = None
     canonical_partitions: int | None = None
+    # Every evaluation during training: {"step": s, "epoch": epochs done (fractional), "val/loss": ...}
+    # (the test split's figures where the data has no validation split).
+    evaluations: list[dict[str, float]] = field(default_factory=list)
+    # dtf.train.selection's: the best objective so far and its step, the evaluations since the last
+    # improvement by more than min_delta, the step judged last, and why training stopped early.
+    best_objective: float | None = None
+    best_step: int | None = None
+    evaluations_without_improvement: int = 0
+    judged_step: int | None = None
+    stopped_early: str | None = None
+    # checkpoint.keep_best: [step, objective] of the best evaluations so far, best first.
+    best_scores: list[list[float]] = field(default_factory=list)
 
     def latest_metrics(self) -> dict[str, float]:
         """Every value's latest figure (a test value from the latest evaluation)."""
@@ -54,6 +66,13 @@ class TrainState:
             "metrics_per_epoch",
             "global_batch",
             "canonical_partitions",
+            "evaluations",
+            "best_objective",
+            "best_step",
+            "evaluations_without_improvement",
+            "judged_step",
+            "stopped_early",
+            "best_scores",
         }  # a checkpoint from before they existed loads without them
         missing = [name for name in asdict(self) if name not in state and name not in added_since]
         if missing:

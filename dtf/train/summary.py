@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 SUMMARY_FILE = "summary.json"
 WEIGHTS_FILE = "model.pt"
+BEST_WEIGHTS_FILE = "best_model.pt"  # checkpoint.keep_best: the weights of the best evaluation
 
 
 def params_sha256(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -139,6 +140,15 @@ class LoopSummary(Summary):
     slurm_job_id: str | None  # proof of where it ran, for sacct / scontrol
     slurm_restarts: int | None
     pruned: bool  # hydra/sweeper=dtf pruned the trial after `epochs` epochs
+    # The validation split's latest loss (null without one); every evaluation during training, as
+    # {"step", "epoch" (fractional), "val/loss", "val/<metric>", ...} (test/* without a validation split).
+    final_val_loss: float | None
+    evaluations: list[dict[str, float]]
+    # The best objective at an evaluation (or epoch end, for train/*) and its step.
+    best_step: int | None
+    best_objective: float | None
+    stopped_early: str | None  # why trainer.early_stopping ended training (null: it did not)
+    best_weights_file: str | None  # best_model.pt in the run dir (checkpoint.keep_best)
 
 
 @dataclass(kw_only=True)
@@ -216,13 +226,6 @@ def shared_fields(run: RunConfig, ranks: list[RankFigures], run_dir: Path) -> di
     )
 
 
-def objective_of(run: RunConfig, has_test_set: bool) -> str:
-    """trainer.objective, where the run can compute it: the default test/loss of a run without a
-    test set is its train/loss (a test/<metric> there is refused where the data is built)."""
-    objective = run.trainer.objective
-    return "train/loss" if objective == "test/loss" and not has_test_set else objective
-
-
 def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | None:
     """Collective, after fit(): digests the model on every rank; rank 0 exports the weights, logs
     the hparams, writes summary.json, prints the final line and returns the summary."""
@@ -263,7 +266,8 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | Non
 def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run_dir: Path) -> LoopSummary:
     st, data, blocked = trainer.state, trainer.train_data, trainer.checkpointer.blocked_s
     finals = st.latest_metrics()
-    objective = objective_of(run, trainer.eval_data is not None)
+    objective = trainer.selection.objective
+    val_losses = [e["val/loss"] for e in st.evaluations if "val/loss" in e]
     on_slurm = "SLURM_JOB_ID" in os.environ
     return LoopSummary(
         **shared_fields(run, ranks, run_dir),
@@ -302,6 +306,12 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         objective=finals.get(objective),
         objective_name=objective,
         pruned=trainer.pruned_at_epoch is not None,
+        final_val_loss=val_losses[-1] if val_losses else None,
+        evaluations=st.evaluations,
+        best_step=st.best_step,
+        best_objective=st.best_objective,
+        stopped_early=st.stopped_early,
+        best_weights_file=BEST_WEIGHTS_FILE if trainer.best_model_path is not None else None,
     )
 
 

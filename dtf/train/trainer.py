@@ -32,6 +32,7 @@ from dtf.train.precision import Precision
 from dtf.train.progress import Progress, TensorBoard
 from dtf.train.rng import rng_state, set_rng_state
 from dtf.train.schedule import LRSchedule, Plan
+from dtf.train.selection import Selection
 from dtf.train.state import TrainState
 
 StepFn = Callable[[nn.Module, Any, Callable[..., torch.Tensor]], Any]
@@ -66,7 +67,8 @@ class Trainer:
         loss_fn: Callable[..., torch.Tensor],
         step_fn: StepFn,
         train_data: TrainData,
-        eval_data: EvalData | None,
+        val_data: EvalData | None,
+        test_data: EvalData | None,
         tensorboard: TensorBoard,
         checkpointer: Checkpointer,
         control: StepControl,
@@ -76,6 +78,8 @@ class Trainer:
         pruning: Pruning | None = None,
         nonfinite: NonFiniteGuard | None = None,
         heartbeat: Heartbeat | None = None,
+        objective: str = "train/loss",
+        best_model_path: Path | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -86,7 +90,10 @@ class Trainer:
         self.loss_fn = loss_fn
         self.step_fn = step_fn
         self.train_data = train_data
-        self.eval_data = eval_data
+        # What training evaluates on (the validation split; the test split where there is none),
+        # and the test split kept for the end when there is a validation split.
+        self.eval_data, self.eval_split = (val_data, "val") if val_data is not None else (test_data, "test")
+        self.final_test_data = test_data if val_data is not None else None
         self.tb = tensorboard
         self.checkpointer = checkpointer
         self.control = control
@@ -94,7 +101,10 @@ class Trainer:
         self.nonfinite = nonfinite or NonFiniteGuard(settings.on_nonfinite, strategy, self.precision, env)
         self.pruning = pruning
         self.pruned_at_epoch: int | None = None  # the search pruned this trial after that epoch
+        self._keep_step_saved = False  # the latest evaluation's step is one of checkpoint.keep_best
         self.state = TrainState()
+        self.selection = Selection(objective, settings.objective_mode, settings.early_stopping, self.state)
+        self.best_model_path = best_model_path  # <run_dir>/best_model.pt with checkpoint.keep_best
         self._record_data_position()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.metrics = metrics  # on the test set, at each evaluation
@@ -112,6 +122,7 @@ class Trainer:
         self._t_last = 0.0
         self.total_steps = self._planned_steps()
         self.schedule.start(Plan(self.total_steps, settings.steps_per_epoch(len(train_data))))
+        self.eval_interval = settings.eval_step_interval(settings.steps_per_epoch(len(train_data)))
 
     def _record_data_position(self) -> None:
         """What the data's positions count in, kept in the checkpoint for a resume to check against."""
@@ -141,14 +152,21 @@ class Trainer:
                 if not self._end_epoch(progress):
                     self._stop_in_evaluation()
                     break
-                if self.pruned_at_epoch is not None:
-                    # A pruned trial keeps where it got to: its checkpoint, then its summary.
-                    self._check_state_finite(self.state.step)
+                if self._keep_step_saved and self.checkpointer.last_saved_step != self.state.step:
+                    self._check_state_finite(self.state.step)  # one of the best: its checkpoint is kept
                     self.checkpointer.save(self.state.step, self, force=True)
+                if self.pruned_at_epoch is not None or self.state.stopped_early:
+                    # Where a trial was pruned or training stopped early, the run ends with a checkpoint
+                    # (a run again finds it finished), then its summary.
+                    self._check_state_finite(self.state.step)
+                    if self.checkpointer.last_saved_step != self.state.step:
+                        self.checkpointer.save(self.state.step, self, force=True)
                     break
             self.control.close()  # the last background save is committed, no exchange left in flight
             if self.stopped_at_step is None:  # what model.pt will hold (an overflow in the last update)
                 self._check_state_finite(self.state.step)
+                if self.pruned_at_epoch is None:
+                    self._test_at_end(progress)
         finally:
             self.train_data.close()  # a stopped run leaves a next epoch it had started to read
             progress.close()
@@ -157,7 +175,7 @@ class Trainer:
     def finished(self) -> bool:
         """The budget is spent and no epoch end is owed. A run resumed in the middle of an epoch,
         or right after its last batch, still owes that epoch its end (its loss, evaluation)."""
-        return self.state.step >= self.total_steps and not self.state.mid_epoch
+        return (self.state.step >= self.total_steps or bool(self.state.stopped_early)) and not self.state.mid_epoch
 
     @property
     def stopped_at_step(self) -> int | None:
@@ -178,12 +196,12 @@ class Trainer:
         batches = iter(self.train_data)
         self._t_last = self._sync_time()
         for first in range(start, num_batches, accum):
-            if self.state.step >= self.total_steps:
+            if self.state.step >= self.total_steps or self.state.stopped_early:
                 break  # the budget ends inside this epoch (or a finished run was run again)
             size = min(accum, num_batches - first)  # the last window of an epoch may be short
             self._train_window(itertools.islice(batches, size), size)
             self._count_samples(first, size)
-            if self._after_step(progress):
+            if self._after_step(progress, epoch_ends=first + size >= num_batches):
                 return True
         return False
 
@@ -238,8 +256,10 @@ class Trainer:
         self.state.samples_in_epoch = used
         self.state.samples_seen += self._step_samples
 
-    def _after_step(self, progress: Progress) -> bool:
-        """Timing, logging, the stop agreement and checkpoints. True when the run must stop here."""
+    def _after_step(self, progress: Progress, epoch_ends: bool = False) -> bool:
+        """Timing, logging, an evaluation within the epoch when one is due, the stop agreement and
+        checkpoints. True when the run must stop here. epoch_ends: the epoch's last step (its
+        end evaluates)."""
         now = self._sync_time()
         self.step_times.append(now - self._t_last)
         self.beat.stepped(self.state.step)
@@ -251,13 +271,18 @@ class Trainer:
         last = step >= self.total_steps
         if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
+        keep = False
+        if self.eval_interval and step % self.eval_interval == 0 and not (epoch_ends or last):
+            # Before the step's checkpoint, which then holds this evaluation (and what it decided).
+            keep = self._evaluate_within_epoch(progress)
+            last = last or bool(self.state.stopped_early)
         stop = self.control.should_stop(step, last)
-        if stop or self.checkpointer.is_due(step, last):
+        if stop or keep or self.checkpointer.is_due(step, last):
             self.beat.mark("saving a checkpoint")
             self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
-        if self.checkpointer.save(step, self, last=last, force=stop):
+        if self.checkpointer.save(step, self, last=last, force=stop or keep):
             self.beat.mark("after a checkpoint")
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
@@ -314,12 +339,15 @@ class Trainer:
         st = self.state
         self.beat.mark("the epoch's end")
         train_loss = self.train_loss.compute()
-        figures = {"train/loss": train_loss}
+        figures: dict[str, float] = {"train/loss": train_loss}
         figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
-        done = st.step >= self.total_steps
-        evaluated = None
-        if self.eval_data is not None and (done or (st.epoch + 1) % self.s.eval_every_n_epochs == 0):
-            evaluated = self.evaluate(stoppable=True)
+        done = st.step >= self.total_steps or bool(st.stopped_early)
+        every = self.s.eval_every_epochs()
+        evaluated: dict[str, float] | None = None
+        if st.evaluations and st.evaluations[-1]["step"] == st.step:
+            evaluated = {k: v for k, v in st.evaluations[-1].items() if "/" in k}  # evaluated at this step already
+        elif self.eval_data is not None and (done or every is None or (st.epoch + 1) % every == 0):
+            evaluated = self._evaluated(self.eval_data, self.eval_split, stoppable=True)
             if evaluated is None:
                 return False
         st.epoch += 1
@@ -327,18 +355,102 @@ class Trainer:
         st.last_train_loss = train_loss
         st.train_loss_curve.append(train_loss)
         if evaluated is not None:
-            st.last_test_loss, test_metrics = evaluated
-            st.test_loss_curve.append(st.last_test_loss)
-            figures["test/loss"] = st.last_test_loss
-            figures.update({f"test/{k}": v for k, v in test_metrics.items()})
+            self._record_evaluation(evaluated, logged=False)
+            figures.update(evaluated)
         st.metrics_per_epoch.append({"epoch": st.epoch, **figures})
         progress.write(f"epoch {st.epoch}: {describe(figures)} (all ranks)")
         # train/epoch_loss: the name TensorBoard logs have always had for it
         self.tb.scalars(st.step, {"train/epoch_loss" if k == "train/loss" else k: v for k, v in figures.items()})
+        self._judge(figures, progress)
         if self.pruning is not None and not done and self.pruning.should_prune(st.epoch, figures):
             self.pruned_at_epoch = st.epoch
             progress.write(f"epoch {st.epoch}: pruned by the search (hydra.sweeper.pruner)")
         return True
+
+    def _evaluate_within_epoch(self, progress: Progress) -> bool:
+        """An evaluation between two steps of an epoch (trainer.eval_every_n_steps, or a fraction of
+        an epoch), judged. It is not stoppable: a stop agreed meanwhile takes effect right after
+        it. True when its step's checkpoint must be kept (one of the best, with checkpoint.keep_best)."""
+        assert self.eval_data is not None
+        figures = self._evaluated(self.eval_data, self.eval_split, stoppable=False)
+        assert figures is not None
+        self._record_evaluation(figures, logged=True)
+        progress.write(f"step {self.state.step}: {describe(figures)} (all ranks)")
+        return self._judge(figures, progress)
+
+    def _evaluated(self, data: EvalData, split: str, stoppable: bool) -> dict[str, float] | None:
+        """Figures of one split ("val/loss", "val/<metric>", ...), or None when a stop abandoned them."""
+        result = self.evaluate(data, stoppable=stoppable)
+        if result is None:
+            return None
+        loss, metrics = result
+        return {f"{split}/loss": loss, **{f"{split}/{k}": v for k, v in metrics.items()}}
+
+    def _record_evaluation(self, figures: dict[str, float], logged: bool) -> None:
+        """Kept in the state (summary.json's evaluations), with the epochs done so far (fractional)."""
+        st = self.state
+        done = st.epoch + (st.samples_in_epoch / max(1, self.train_data.samples_after(len(self.train_data))))
+        if st.evaluations and st.evaluations[-1]["step"] == st.step:
+            return
+        st.evaluations.append({"step": st.step, "epoch": round(done, 6), **figures})
+        if self.eval_split == "test":
+            st.last_test_loss = figures["test/loss"]
+            st.test_loss_curve.append(figures["test/loss"])
+        if logged:
+            self.tb.scalars(st.step, figures)
+
+    def _judge(self, figures: dict[str, float], progress: Progress) -> bool:
+        """The objective in figures, judged (best so far, early stopping); the best weights and
+        checkpoints kept with checkpoint.keep_best. True when this step's checkpoint is one to keep."""
+        verdict = self.selection.judge(self.state.step, figures)
+        if verdict is None:
+            return False
+        kept = self._rank_checkpoint(verdict.value)
+        if verdict.improved and self.best_model_path is not None:
+            self._save_best_model()
+        if verdict.stop_reason:
+            progress.write(f"step {self.state.step}: {verdict.stop_reason}")
+        return kept
+
+    def _rank_checkpoint(self, value: float) -> bool:
+        """checkpoint.keep_best: this step's score among the others'; the checkpointer keeps the
+        best k. True when this step is one of them (its checkpoint must exist)."""
+        k = self.checkpointer.keep_best
+        self._keep_step_saved = False
+        if not k:
+            return False
+        scores = self.state.best_scores
+        scores.append([self.state.step, value])
+        scores.sort(key=lambda sv: -sv[1] if self.selection.maximize else sv[1])  # stable: earlier steps first
+        del scores[k:]
+        self.checkpointer.keep_steps(self.selection.objective, scores)
+        self._keep_step_saved = any(step == self.state.step for step, _ in scores)
+        return self._keep_step_saved
+
+    def _save_best_model(self) -> None:
+        """<run_dir>/best_model.pt: the whole weights now (collective; rank 0 writes)."""
+        assert self.best_model_path is not None
+        self.beat.mark("saving the best model")
+        state = {name: t.detach().cpu() for name, t in self.strategy.whole_tensors(self.model)}
+        if self.env.is_main:
+            ordered = {name: state[name] for name in self.strategy.state_names(self.model)}
+            tmp = self.best_model_path.with_suffix(".pt.tmp")
+            torch.save(ordered, tmp)
+            tmp.replace(self.best_model_path)
+
+    def _test_at_end(self, progress: Progress) -> None:
+        """With a validation split: the test split, once, at the end (it never chooses anything)."""
+        if self.final_test_data is None:
+            return
+        figures = self._evaluated(self.final_test_data, "test", stoppable=False)
+        assert figures is not None
+        st = self.state
+        st.last_test_loss = figures["test/loss"]
+        st.test_loss_curve = [figures["test/loss"]]
+        if st.metrics_per_epoch:
+            st.metrics_per_epoch[-1].update(figures)
+        progress.write(f"test at the end: {describe(figures)} (all ranks)")
+        self.tb.scalars(st.step, figures)
 
     def _stop_in_evaluation(self) -> None:
         """A stop agreed during the epoch's evaluation: the run stops at the epoch's last step, with
@@ -379,11 +491,10 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self, stoppable: bool = False) -> tuple[float, dict[str, float]] | None:
-        """Mean loss and the metrics over the test set, every sample counted exactly once across ranks.
+    def evaluate(self, data: EvalData, stoppable: bool = False) -> tuple[float, dict[str, float]] | None:
+        """Mean loss and the metrics over a split, every sample counted exactly once across ranks.
         stoppable: the ranks check for a stop between batches, and a stop abandons the evaluation
         (None), leaving the random streams as they were before it."""
-        assert self.eval_data is not None
         rng = rng_state() if stoppable else None  # iterating a DataLoader draws a seed from them
         if stoppable:
             self.control.enter_phase()
@@ -391,7 +502,7 @@ class Trainer:
         loss_sums = MeanMetric(self.env.device)
         self.metrics.reset()
         self.beat.mark("waiting for evaluation data")
-        for j, batch in enumerate(self.eval_data):
+        for j, batch in enumerate(data):
             self.beat.mark("evaluation")
             if rng is not None and j > 0 and self.control.should_stop_evaluating(j):
                 self.model.train()
@@ -399,7 +510,7 @@ class Trainer:
                 set_rng_state(rng)
                 return None
             batch = to_device(batch, self.env.device)
-            real = self.eval_data.num_real_in_batch(j)
+            real = data.num_real_in_batch(j)
             # Padded samples (only ever at the end of a rank's share) are cut off; a batch that is
             # all padding still runs forward so every rank makes the same collectives, weighed
             # zero and kept out of the metrics.
@@ -443,6 +554,7 @@ class Trainer:
         self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
         self.nonfinite.skipped = int(saved.get("nonfinite_steps_skipped", 0))
         self.resumed_from_step = self.state.step
+        self.checkpointer.keep_steps(self.selection.objective, self.state.best_scores)
         saved_batch, saved_partitions = self.state.global_batch, self.state.canonical_partitions
         self._record_data_position()
         notes = self._seek(saved_world, saved_batch, saved_partitions)

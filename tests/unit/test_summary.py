@@ -59,6 +59,13 @@ LOOP = EVERY_RUN | {
     "slurm_job_id",
     "slurm_restarts",
     "pruned",
+    # added with the validation split (issue 32)
+    "final_val_loss",
+    "evaluations",
+    "best_step",
+    "best_objective",
+    "stopped_early",
+    "best_weights_file",
 }
 FUNCTION = EVERY_RUN | {"mode", "result", "optimizer_state_bytes", "model_state_bytes"}
 SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=200"]
