@@ -530,7 +530,27 @@ def summary_line(sweep: Sweep) -> str:
         values = ", ".join(f"{k}={best.overrides.get(k, '—')}" for k in sweep.varying)
         text += f" Best ({sweep.objective_mode} {sweep.objective_name}): job {best.job}, {_fmt(best.objective, 6)}"
         text += f", with {values}." if values else "."
-    return text
+        text += " " + test_score_line(sweep)
+    return text.rstrip()
+
+
+def test_score_line(sweep: Sweep) -> str:
+    """The best point's test score, the only one the report shows: a search that chose on the
+    validation split shows it as the unbiased estimate; one that chose on the test set says so."""
+    best = sweep.best
+    if best is None or best.summary is None or sweep.objective_name is None:
+        return ""
+    if sweep.objective_name.startswith("test/"):
+        return (
+            f"It was chosen on the test set, so its {sweep.objective_name} is biased upward: give the data a "
+            "validation split (data.val_fraction) and judge by val/loss."
+        )
+    finals = best.summary.get("final_metrics") or {}
+    tests = {k: v for k, v in finals.items() if k.startswith("test/")}
+    if not tests:
+        return ""
+    scores = ", ".join(f"{k} {_fmt(_number(v), 6)}" for k, v in sorted(tests.items()))
+    return f"Its test score (evaluated once at its end, never used to choose; shown for the best point only): {scores}."
 
 
 def render(sweep: Sweep, sweep_dir: Path) -> str:

@@ -206,6 +206,8 @@ class Sweep:
     def tell(self, study: optuna.Study, r: Running) -> None:
         trial_dir = self.dir / str(r.trial.number)
         summary = _read_json(trial_dir / "summary.json")
+        if summary and summary.get("objective_name"):
+            self.objective = str(summary["objective_name"])  # trainer.objective resolved (auto: val/loss, ...)
         code = r.process.returncode
         value = summary.get("objective") if summary and code == 0 else None
         ended = time.time()
@@ -245,10 +247,14 @@ class Sweep:
             best = study.best_trial
             params = " ".join(f"{k}={_show(v)}" for k, v in best.params.items())
             best_line = f"best trial {best.number}: {self.objective} {best.value:.6g} with {params}"
-            write_json(
-                self.dir / "best.json",
-                {"number": best.number, "value": best.value, "params": best.params, "objective": self.objective},
-            )
+            # The test score of the chosen trial only: the one estimate the search did not choose by.
+            finals = (_read_json(self.dir / str(best.number) / "summary.json") or {}).get("final_metrics") or {}
+            chose_on_val = self.objective.startswith("val/")
+            test = {k: v for k, v in finals.items() if k.startswith("test/")} if chose_on_val else {}
+            if test:
+                best_line += "; its test score: " + ", ".join(f"{k} {v:.6g}" for k, v in sorted(test.items()))
+            record = {"number": best.number, "value": best.value, "params": best.params, "objective": self.objective}
+            write_json(self.dir / "best.json", {**record, "test": test or None})
         stopped = f", {len(self.stopped)} stopped (the same command continues them)" if self.stopped else ""
         print(
             f"dtf: sweep done: {len(trials)} trial(s), {C} completed, {P} pruned, {F} failed{stopped}; "

@@ -290,8 +290,21 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
     note = lone_rank_threads_note() if env.world_size == 1 else None
     if note:
         print(f"dtf: {note}", flush=True)
-    if trainer.selection.objective.startswith("test/"):
-        print(f"dtf: warning: trainer.objective={trainer.selection.objective}: {TEST_BIAS_WARNING}", flush=True)
+    selects = [
+        name
+        for name, on in [
+            ("a search's trial (hydra/sweeper=dtf)", run.trial is not None),
+            ("trainer.early_stopping", t.early_stopping.patience is not None),
+            ("checkpoint.keep_best", run.checkpoint.keep_best > 0),
+        ]
+        if on
+    ]
+    if trainer.selection.objective.startswith("test/") and selects:
+        print(
+            f"dtf: warning: trainer.objective={trainer.selection.objective} chooses ({', '.join(selects)}): "
+            f"{TEST_BIAS_WARNING}",
+            flush=True,
+        )
     if t.warmup_steps >= trainer.schedule.plan.total:
         print(
             f"dtf: warning: trainer.warmup_steps={t.warmup_steps} covers all {trainer.schedule.plan.total} "

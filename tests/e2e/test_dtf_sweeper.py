@@ -45,6 +45,7 @@ def test_two_trials_at_a_time_and_the_median_rule_prunes_the_poor_ones(tmp_path:
         [
             *SEARCH,
             *SMALL,
+            "data.val_fraction=0.2",  # the search chooses on the validation split (trainer.objective=auto)
             "trainer.max_epochs=4",
             "hydra.sweeper.n_trials=8",
             "hydra.sweeper.parallel=2",
@@ -77,11 +78,18 @@ def test_two_trials_at_a_time_and_the_median_rule_prunes_the_poor_ones(tmp_path:
         assert summary["pruned"] is False and summary["epochs"] == 4
         assert records[n]["value"] == summary["objective"]
     best = min(completed, key=lambda n: records[n]["value"])
-    assert f"best trial {best}: test/loss {records[best]['value']:.6g}" in run.stdout
-    assert json.loads((sweep_dir / "best.json").read_text())["number"] == best
-    # The report: a table of every trial, and plots that open as images.
+    summaries = {n: json.loads((sweep_dir / str(n) / "summary.json").read_text()) for n in completed}
+    assert all(s["objective_name"] == "val/loss" and s["objective"] == s["final_val_loss"] for s in summaries.values())
+    test_loss = summaries[best]["final_test_loss"]
+    assert f"best trial {best}: val/loss {records[best]['value']:.6g}" in run.stdout
+    assert f"its test score: test/loss {test_loss:.6g}" in run.stdout
+    chosen = json.loads((sweep_dir / "best.json").read_text())
+    assert chosen["number"] == best and chosen["test"]["test/loss"] == test_loss
+    # The report: a table of every trial, and plots that open as images; the test score of the best only.
     report = (sweep_dir / "report.md").read_text()
     assert "pruned" in report
+    assert "Its test score (evaluated once at its end" in report
+    assert all(f"{s['final_test_loss']:.6g}" not in report for n, s in summaries.items() if n != best)
     pngs = list(sweep_dir.glob("*.png"))
     assert {"curves.png", "objective_vs_optimizer.lr.png"} <= {p.name for p in pngs}, pngs
     for png in pngs:

@@ -167,6 +167,20 @@ def test_the_best_point_follows_the_objective_mode(tmp_path: Path) -> None:
     assert "objective: test/accuracy (max)" in rows["1"]
 
 
+def test_a_search_on_the_validation_split_shows_the_test_score_of_the_best_point_only(tmp_path: Path) -> None:
+    sweep = tmp_path / "val"
+    for job, curve in enumerate([[0.5, 0.3], [0.6, 0.2], [0.4, 0.35]]):  # test/loss: twice val/loss
+        point(sweep, str(job), [f"optimizer.lr={job + 1}e-3"], summary(curve, name="val/loss"))
+    text = report.build(sweep).read_text()
+    assert "Best (min val/loss): job 1, 0.2, with optimizer.lr=2e-3." in text
+    assert "Its test score (evaluated once at its end, never used to choose; shown for the best point only): " in text
+    assert "test/loss 0.4." in text and "0.6" not in text.split("## Points")[1]  # no other point's test score
+
+
+def test_a_search_on_the_test_set_is_said_to_be_biased(hpo_sweep: Path) -> None:
+    assert "It was chosen on the test set, so its test/loss is biased upward" in report.build(hpo_sweep).read_text()
+
+
 def test_points_judged_by_different_objectives_have_no_best(tmp_path: Path) -> None:
     sweep = tmp_path / "mixed"
     point(sweep, "0", ["trainer.objective=test/loss"], summary([0.5]))

@@ -133,7 +133,12 @@ def test_choosing_on_the_test_set_is_warned_about_or_refused(
 ) -> None:
     s = train_in_process([*SMALL, "trainer.max_steps=2"], tmp_path / "no_val")
     assert s["objective_name"] == "test/loss" and s["evaluations"][-1]["test/loss"] == s["final_test_loss"]
-    assert "warning: trainer.objective=test/loss: selecting on the test set biases its score" in capsys.readouterr().out
+    assert "selecting on the test set" not in capsys.readouterr().out  # nothing chooses by it
+    train_in_process([*SMALL, "trainer.max_steps=2", "trainer.early_stopping.patience=1"], tmp_path / "chooses")
+    assert (
+        "warning: trainer.objective=test/loss chooses (trainer.early_stopping): selecting on the test set biases its "
+        "score upward" in capsys.readouterr().out
+    )
     with pytest.raises(UserError, match=r"^trainer.objective=test/loss: with a validation split .* judge by val/loss$"):
         _run(tmp_path, "refused", "trainer.objective=test/loss", "trainer.max_steps=2")
     with pytest.raises(UserError, match=r"^trainer.objective=val/rmse: this data has no validation split"):
