@@ -10,10 +10,11 @@ _API = {
     "run_function": "dtf.api",
     "sweep": "dtf.api",
     "validate": "dtf.api",
+    "evaluate": "dtf.eval",
     "RunStopped": "dtf.api",
     "UserError": "dtf.errors",
 }
-__all__ = ["RunStopped", "UserError", "__version__", "report", "run", "run_function", "sweep", "validate"]
+__all__ = ["RunStopped", "UserError", "__version__", "evaluate", "report", "run", "run_function", "sweep", "validate"]
 
 
 def __getattr__(name: str) -> object:

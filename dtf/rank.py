@@ -27,18 +27,22 @@ from dtf.results import EXIT_USER_ERROR, RunResult, exit_now
 if TYPE_CHECKING:
     from dtf.config.typed import RunConfig
     from dtf.dist.env import DistEnv
+    from dtf.eval import EvalRequest
     from dtf.signals import StopRequest
 
 LOST_PEER_GRACE_S = 1.0  # ten of the agent's polls (launcher.monitor_interval=0.1)
 
 
-def rank_main(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
+def rank_main(
+    cfg: DictConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
+) -> RunResult | None:
     """Rank 0 returns how the run ended (the others None, or Stopped like rank 0). A failure is
     recorded for the driver (dtf.failures) and ends the rank, a user error with exit status 2 (the
     driver prints its one line), anything else with 1, so the launcher stops the peers.
-    payload: dtf.run_function's function and objects."""
+    payload: dtf.run_function's function and objects. evaluate: dtf.eval's checkpoint to evaluate
+    (instead of training)."""
     try:
-        result = run_rank(cfg, run_dir, payload)
+        result = run_rank(cfg, run_dir, payload, evaluate)
         if multiprocessing.parent_process() is not None:
             _exit_now_on_success()
         return result
@@ -87,7 +91,9 @@ def _exit_now_on_success() -> None:
     sys.exit = exit
 
 
-def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> RunResult | None:
+def run_rank(
+    cfg: DictConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
+) -> RunResult | None:
     """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
     when a stop signal ended the run early."""
     from dtf.config.typed import typed
@@ -118,11 +124,15 @@ def run_rank(cfg: DictConfig, run_dir: str, payload: bytes | None = None) -> Run
         from dtf.launch.nodes import record_nodes
 
         record_nodes(directory, env)
-    if shipped is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function
+    if evaluate is not None:
+        from dtf import eval as evaluation
+
+        result: RunResult | None = evaluation.run(run, env, directory, evaluate)
+    elif shipped is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function
         from dtf.train import function
 
         stop_request.restore()  # the function owns its loop: no step to stop at, signals act as usual
-        result: RunResult | None = function.run(run, env, directory, shipped)
+        result = function.run(run, env, directory, shipped)
     else:
         from dtf.train import loop
 

@@ -130,16 +130,19 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def load_app_state(path: Path, app_state: dict[str, Any]) -> None:
+RESUME_ADVICE = (
+    "resume with the model and optimizer it was trained with, or start over with checkpoint.resume=never (its "
+    "checkpoints are moved aside) or another hydra.run.dir"
+)
+
+
+def load_app_state(path: Path, app_state: dict[str, Any], advice: str = RESUME_ADVICE) -> None:
     """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code.
-    A checkpoint of another model (or optimizer) is refused in one line before anything is read."""
+    A checkpoint of another model (or optimizer) is refused in one line before anything is read,
+    ending with advice."""
     misfit = _misfit(_SafeReader(str(path)).read_metadata(), app_state)
     if misfit:
-        raise EveryRankUserError(
-            f"checkpoint {path} does not fit this run: {misfit}; resume with the model and optimizer it was "
-            "trained with, or start over with checkpoint.resume=never (its checkpoints are moved aside) or "
-            "another hydra.run.dir"
-        )
+        raise EveryRankUserError(f"checkpoint {path} does not fit this run: {misfit}; {advice}")
     try:
         dcp.load(app_state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
     except CheckpointException as e:

@@ -159,3 +159,17 @@ def test_bad_selection_settings_are_one_line_naming_the_key(override: str, messa
         from dtf.cli import freeze
 
         freeze(compose_config([override]))
+
+
+def test_dtf_eval_of_the_best_checkpoint_gives_its_reported_objective(chosen: Chosen) -> None:
+    from dtf import eval as evaluation
+    from dtf.config.typed import typed
+    from tests.helpers.inprocess import group_of_one
+
+    run_dir, s = chosen
+    best = run_dir / "checkpoints" / f"step_{s['best_step']:09d}"
+    cfg = compose_config([*WITH_VAL, "trainer.max_epochs=3"])
+    with group_of_one() as env:
+        result = evaluation.run(typed(cfg), env, run_dir / "evaluations", evaluation.EvalRequest(str(best), ("val",)))
+    assert result is not None and result.summary["metrics"]["val/loss"] == s["best_objective"]  # same rank, same order
+    assert json.loads((best / "eval.json").read_text())["metrics"] == result.summary["metrics"]
