@@ -27,8 +27,8 @@ from dtf.results import EXIT_USER_ERROR, RunResult, exit_now
 if TYPE_CHECKING:
     from dtf.config.typed import RunConfig
     from dtf.dist.env import DistEnv
-    from dtf.eval import EvalRequest
     from dtf.signals import StopRequest
+    from dtf.train.evaluate import EvalRequest
 
 LOST_PEER_GRACE_S = 1.0  # ten of the agent's polls (launcher.monitor_interval=0.1)
 
@@ -125,7 +125,7 @@ def run_rank(
 
         record_nodes(directory, env)
     if evaluate is not None:
-        from dtf import eval as evaluation
+        from dtf.train import evaluate as evaluation
 
         result: RunResult | None = evaluation.run(run, env, directory, evaluate)
     elif shipped is not None or run.trainer.fn is not None:  # trainer=function, dtf.run_function

@@ -62,7 +62,7 @@ def test_a_checkpoint_of_4_fsdp_ranks_evaluated_on_1_ddp_rank_gives_the_reported
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_key(fsdp4: tuple[Path, dict[str, Any]]) -> None:
-    from dtf import eval as evaluation
+    from dtf.train import evaluate as evaluation
     from dtf.config.typed import typed
 
     run_dir, s = fsdp4
@@ -74,5 +74,7 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_key(fsdp4: t
         f"checkpoint {checkpoint} does not fit this run: model.net.0.weight has the shape [100, 2] there and [50, 2] "
         "here; evaluate it with the model it was trained with (leave out model overrides)"
     )
+    from dtf.eval import evaluate
+
     with pytest.raises(UserError, match=r"^split=train: choose val, test or all$"):
-        evaluation.evaluate(run_dir, "train")
+        evaluate(run_dir, "train")

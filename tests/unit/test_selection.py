@@ -162,8 +162,8 @@ def test_bad_selection_settings_are_one_line_naming_the_key(override: str, messa
 
 
 def test_dtf_eval_of_the_best_checkpoint_gives_its_reported_objective(chosen: Chosen) -> None:
-    from dtf import eval as evaluation
     from dtf.config.typed import typed
+    from dtf.train import evaluate as evaluation
     from tests.helpers.inprocess import group_of_one
 
     run_dir, s = chosen
