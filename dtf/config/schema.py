@@ -136,9 +136,17 @@ class TrainerConfig:
     stall_timeout_s: float | None = None
     # End training when the objective has not improved for `patience` evaluations.
     early_stopping: EarlyStoppingConfig = field(default_factory=lambda: EarlyStoppingConfig())
+    # Debugging (the debug config group sets them): train on the first batches of each epoch and
+    # evaluate the first batches of each split (null: all; a fraction in (0, 1] or a number of
+    # batches); train and evaluate on the same first n batches every epoch; torch.profiler traces.
+    limit_train_batches: Any = None
+    limit_eval_batches: Any = None
+    overfit_batches: int = 0
+    profiler: ProfilerConfig = field(default_factory=lambda: ProfilerConfig())
 
     def __post_init__(self) -> None:
         self._check_performance_switches()
+        self._check_debug_settings()
         require(self.max_epochs >= 1, "trainer.max_epochs", self.max_epochs, "train at least one epoch")
         require(
             self.max_steps is None or self.max_steps >= 1,
@@ -236,6 +244,25 @@ class TrainerConfig:
         """Optimizer steps in an epoch of num_batches micro-batches (the last window may be short)."""
         return math.ceil(num_batches / self.grad_accum_steps)
 
+    def _check_debug_settings(self) -> None:
+        for key in ("limit_train_batches", "limit_eval_batches"):
+            value = getattr(self, key)
+            fraction = isinstance(value, float) and 0 < value <= 1
+            whole = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            require(
+                value is None or fraction or whole,
+                f"trainer.{key}",
+                value,
+                "use a fraction of the batches in (0, 1] (e.g. 0.1), a number of batches (e.g. 5), or null for all",
+            )
+        require(self.overfit_batches >= 0, "trainer.overfit_batches", self.overfit_batches, "use 0 (off) or more")
+        require(
+            not (self.overfit_batches and self.limit_train_batches is not None),
+            "trainer.overfit_batches",
+            self.overfit_batches,
+            "overfitting trains on its own batches: leave trainer.limit_train_batches at null",
+        )
+
     def eval_every_epochs(self) -> int | None:
         """Evaluate at the end of every n-th epoch (None: eval_every_n_epochs is a fraction, so every epoch)."""
         return int(self.eval_every_n_epochs) if self.eval_every_n_epochs >= 1 else None
@@ -248,6 +275,24 @@ class TrainerConfig:
         if self.eval_every_n_epochs < 1:
             return max(1, round(self.eval_every_n_epochs * steps_per_epoch))
         return None
+
+
+@dataclass
+class ProfilerConfig:
+    """trainer.profiler: torch.profiler over optimizer steps: skip `wait`, warm up `warmup`, record
+    `active`, once; traces in <run_dir>/profile (dtf.train.debug)."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    record_shapes: bool = False
+    profile_memory: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("wait", "warmup"):
+            require(getattr(self, key) >= 0, f"trainer.profiler.{key}", getattr(self, key), "use 0 or more steps")
+        require(self.active >= 1, "trainer.profiler.active", self.active, "record at least 1 step")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
-from dtf.train import blocks, schedule
+from dtf.train import blocks, debug, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
@@ -179,6 +179,7 @@ def setup_data(run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int |
     are); recorded_partitions: the canonical partitions of the checkpoint a resumed run starts
     from (Parquet)."""
     splits = loader.build_splits(run.data, env, seed=run.trainer.seed, recorded_partitions=recorded_partitions)
+    splits = debug.limited(splits, run.trainer)
     objective_name(run, splits)
     return splits
 
@@ -231,6 +232,7 @@ def assemble(
         pruning=trial_pruning(run, objective, env),
         heartbeat=beat,
         objective=objective,
+        profiler=debug.profiler(t.profiler, run_dir, env),
         best_model_path=run_dir / run_summary.BEST_WEIGHTS_FILE if ck.keep_best else None,
     )
     trainer.model_state_estimate_bytes = parts.state_estimate_bytes

@@ -80,6 +80,7 @@ class Trainer:
         heartbeat: Heartbeat | None = None,
         objective: str = "train/loss",
         best_model_path: Path | None = None,
+        profiler: torch.profiler.profile | None = None,
     ) -> None:
         self.s = settings
         self.env = env
@@ -105,6 +106,7 @@ class Trainer:
         self.state = TrainState()
         self.selection = Selection(objective, settings.objective_mode, settings.early_stopping, self.state)
         self.best_model_path = best_model_path  # <run_dir>/best_model.pt with checkpoint.keep_best
+        self.profiler = profiler  # trainer.profiler: told of every optimizer step
         self._record_data_position()
         self.train_loss = MeanMetric(env.device)  # the current epoch's, this rank's samples
         self.metrics = metrics  # on the test set, at each evaluation
@@ -145,6 +147,10 @@ class Trainer:
         """Train until the budget is spent, or until the ranks agree to stop (stopped_at_step)."""
         progress = Progress(self.s.progress, self.total_steps, enabled=self.env.is_main)
         self.optimizer.zero_grad(set_to_none=True)
+        with self.profiler or contextlib.nullcontext():
+            self._fit(progress)
+
+    def _fit(self, progress: Progress) -> None:
         try:
             while not self.finished:
                 if self._train_epoch(progress):
@@ -159,7 +165,8 @@ class Trainer:
                     # Where a trial was pruned or training stopped early, the run ends with a checkpoint
                     # (a run again finds it finished), then its summary.
                     self._check_state_finite(self.state.step)
-                    if self.checkpointer.last_saved_step != self.state.step:
+                    wanted = self.pruned_at_epoch is not None or self.checkpointer.at_end
+                    if wanted and self.checkpointer.last_saved_step != self.state.step:
                         self.checkpointer.save(self.state.step, self, force=True)
                     break
             self.control.close()  # the last background save is committed, no exchange left in flight
@@ -261,6 +268,8 @@ class Trainer:
         checkpoints. True when the run must stop here. epoch_ends: the epoch's last step (its
         end evaluates)."""
         now = self._sync_time()
+        if self.profiler is not None:
+            self.profiler.step()
         self.step_times.append(now - self._t_last)
         self.beat.stepped(self.state.step)
         if self.first_step_s is None:
