@@ -90,6 +90,7 @@ def run_function(
     train_set: Any = None,
     test_set: Any = None,
     hparams: dict[str, Any] | None = None,
+    val_set: Any = None,
     overrides: list[str] | None = None,
     config_dir: str | None = None,
     run_dir: str | None = None,
@@ -101,7 +102,8 @@ def run_function(
     fn(module, hparams, train_set, test_set) -> float | dict, with no distributed code in it.
     module: the model's class (or any callable returning an nn.Module); default: the config's
     `model`. train_set, test_set: datasets (shipped to the ranks by pickle); default: the config's
-    `data.dataset`. hparams: passed to fn (over trainer.hparams). Returns rank 0's summary:
+    `data.dataset`. val_set: a validation set, which fn then gets as its keyword val_set.
+    hparams: passed to fn (over trainer.hparams). Returns rank 0's summary:
     `result` is what fn returned, averaged over the ranks exactly.
 
     mode="torchrun" (TorchDistributor's contract): on every rank fn(*args, **kwargs), with
@@ -120,11 +122,17 @@ def run_function(
                 'run_function: args and kwargs go to a function of mode="torchrun"; in mode="function" the '
                 "function is called as fn(module, hparams, train_set, test_set): pass hparams="
             )
-        if test_set is not None and train_set is None:
-            raise UserError("test_set without train_set: give both datasets, or neither (the config's data.dataset)")
+        if (test_set is not None or val_set is not None) and train_set is None:
+            raise UserError(
+                "test_set or val_set without train_set: give the datasets, or none (the config's data.dataset)"
+            )
     elif mode == TORCHRUN:
         given = [
-            k for k, v in dict(module=module, train_set=train_set, test_set=test_set, hparams=hparams).items() if v
+            k
+            for k, v in dict(
+                module=module, train_set=train_set, test_set=test_set, val_set=val_set, hparams=hparams
+            ).items()
+            if v
         ]
         if given:
             raise UserError(
@@ -135,7 +143,9 @@ def run_function(
         raise UserError(f'run_function: mode={mode!r} is not a mode: use mode="function" or mode="torchrun"')
     cfg, default_dir = _function_config(list(overrides or []), config_dir)
     frozen = freeze(cfg)
-    payload = dump(Payload(fn, module, train_set, test_set, dict(hparams or {}), mode, args, dict(kwargs or {})))
+    payload = dump(
+        Payload(fn, module, train_set, test_set, dict(hparams or {}), mode, args, dict(kwargs or {}), val_set)
+    )
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
         _write_hydra_files(cfg, list(overrides or []), directory)

@@ -158,7 +158,9 @@ def profiler(cfg: ProfilerConfig, run_dir: Path, env: DistEnv) -> torch.profiler
     return torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_dir / PROFILE_DIR), worker_name=f"rank{env.rank}"),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            str(run_dir / PROFILE_DIR), worker_name=f"rank{env.rank}"
+        ),
         record_shapes=cfg.record_shapes,
         profile_memory=cfg.profile_memory,
     )

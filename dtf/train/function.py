@@ -18,6 +18,11 @@ with no distributed code in it:
   count, not a mean of means): exact for any per-sample mean (a loss, an accuracy). What is not
   a per-sample mean (a mean of batch means) the function reports exactly with
   dtf.report(name, total, count), summed over the ranks.
+- `val_set` (a keyword argument, given only where the data has a validation split: data.val_fraction,
+  a data.dataset that builds one, or dtf.run_function(val_set=...)): this rank's share of it, as
+  test_set's. Values returned under a name that begins with "val/" are averaged with this rank's
+  validation samples as weight (the others with its test samples'); trainer.objective=val/loss
+  judges the run by the returned "val/loss".
 - In eval mode (model.eval()) the model's forward needs no collective, so ranks may run different
   numbers of test batches.
 
@@ -47,7 +52,7 @@ from torch.utils.data import Dataset
 
 from dtf import strategy as strategies
 from dtf.config.typed import RunConfig
-from dtf.data.loader import split_datasets
+from dtf.data.loader import Datasets, datasets_of
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.results import Finished
@@ -83,6 +88,7 @@ class Payload:
     mode: str = FUNCTION
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    val_set: Dataset | None = None
 
 
 def load(payload: bytes | None) -> Payload | None:
@@ -137,7 +143,7 @@ def _collecting_reports() -> Iterator[dict[str, list[float]]]:
 def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) -> Finished | None:
     """One rank's trainer=function run; rank 0 returns the summary."""
     seed_everything(run.trainer.seed)  # as a plain run of the function would start (the same seed on every rank)
-    fn, build, train_set, test_set, hparams = _inputs(run, payload)
+    fn, build, train_set, val_set, test_set, hparams = _inputs(run, payload)
     if len(train_set) < env.world_size:  # type: ignore[arg-type]
         raise UserError(
             f"the training set has {len(train_set)} samples for {env.world_size} ranks: "  # type: ignore[arg-type]
@@ -149,6 +155,13 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) ->
     test_shard = (
         Shard(test_set, env.rank, env.world_size, equal=False, name="test_set") if test_set is not None else None
     )
+    val_shard = Shard(val_set, env.rank, env.world_size, equal=False, name="val_set") if val_set is not None else None
+    with_val = {"val_set": val_shard} if val_shard is not None else {}
+    if with_val and not _takes_val_set(fn):
+        raise UserError(
+            f"the data has a validation split but {_name(fn, run, payload)} takes no val_set: add a val_set parameter "
+            "(fn(module, hparams, train_set, test_set, val_set)), or give the data none (data.val_fraction=0)"
+        )
     if env.is_main:
         print(
             f"dtf: {env.world_size} rank(s), strategy={run.strategy.name}, device={env.device}, your function "
@@ -157,22 +170,24 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) ->
         )
     counter = StepCounter(factory)
     started = time.perf_counter()
-    shards = [s for s in (train_shard, test_shard) if s is not None]
+    shards = [s for s in (train_shard, test_shard, val_shard) if s is not None]
     try:
         with _collecting_reports() as reports, watching_samplers(shards, env.is_main):
-            returned = fn(factory, dict(hparams), train_shard, test_shard)
+            returned = fn(factory, dict(hparams), train_shard, test_shard, **with_val)
     finally:
         counter.close()
         factory.close()
     seconds = time.perf_counter() - started
     weight = test_shard.used_on_this_rank() if test_shard is not None else 1
-    result = _combined(_averaged(returned, weight, env), _reported(reports, env))
+    val_weight = val_shard.used_on_this_rank() if val_shard is not None else weight
+    result = _combined(_averaged(returned, weight, env, val_weight), _reported(reports, env))
     return _finish(run, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
 
 
 def _inputs(
     run: RunConfig, payload: Payload | None
-) -> tuple[Callable[..., Any], Callable[..., nn.Module], Dataset, Dataset | None, Mapping[str, Any]]:
+) -> tuple[Callable[..., Any], Callable[..., nn.Module], Dataset, Dataset | None, Dataset | None, Mapping[str, Any]]:
+    """(fn, the model's builder, train, val and test sets, hparams)."""
     cfg = run.composed  # the function, model and datasets are the user's, built by _target_
     hparams = {str(k): v for k, v in run.trainer.hparams.items()}
     if payload is not None:
@@ -181,13 +196,23 @@ def _inputs(
         else:
             build = _from_config(cfg.model)
         if payload.train_set is not None:
-            train_set, test_set = payload.train_set, payload.test_set
+            sets = Datasets(payload.train_set, payload.val_set, payload.test_set)
         else:
-            train_set, test_set = split_datasets(cfg.data.dataset)
-        return payload.fn, build, train_set, test_set, {**hparams, **payload.hparams}
-    train_set, test_set = split_datasets(cfg.data.dataset)
+            sets = datasets_of(run.data)  # type: ignore[arg-type]
+        return payload.fn, build, sets.train, sets.val, sets.test, {**hparams, **payload.hparams}
+    sets = datasets_of(run.data)  # type: ignore[arg-type]
     fn: Callable[..., Any] = instantiate(cfg.trainer.fn)
-    return fn, _from_config(cfg.model), train_set, test_set, hparams
+    return fn, _from_config(cfg.model), sets.train, sets.val, sets.test, hparams
+
+
+def _takes_val_set(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: let the call say
+        return True
+    return any(p.name == "val_set" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _name(fn: Any, run: RunConfig, payload: Payload | None) -> str:
@@ -204,8 +229,9 @@ def _from_config(model_cfg: DictConfig) -> Callable[..., nn.Module]:
     return build
 
 
-def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, float] | None:
-    """The function's value(s), averaged over the ranks with this rank's test samples as weight."""
+def _averaged(returned: Any, count: int, env: DistEnv, val_count: int | None = None) -> float | dict[str, float] | None:
+    """The function's value(s), averaged over the ranks with this rank's test samples as weight
+    (its validation samples, val_count, for a name that begins with "val/")."""
     if isinstance(returned, Mapping):
         names = sorted(returned)
         values = [returned[k] for k in names]
@@ -219,7 +245,9 @@ def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, floa
         raise UserError(
             f"trainer.fn returned {returned!r}: return a number (e.g. the test loss) or a dict of numbers"
         ) from None
-    sums = torch.tensor([*(v * count for v in numbers), float(count)], dtype=torch.float64)
+    weights = [float(val_count if val_count is not None and n.startswith("val/") else count) for n in names]
+    weights = weights or [float(count)]  # a number: the test samples'
+    sums = torch.tensor([*(v * w for v, w in zip(numbers, weights, strict=True)), *weights], dtype=torch.float64)
     kinds = [None] * env.world_size
     kind = "none" if returned is None else names
     dist.all_gather_object(kinds, kind)  # every rank must return the same kind of value
@@ -230,7 +258,7 @@ def _averaged(returned: Any, count: int, env: DistEnv) -> float | dict[str, floa
     if returned is None:
         return None
     dist.all_reduce(sums)
-    averaged = (sums[:-1] / sums[-1]).tolist()
+    averaged = (sums[: len(numbers)] / sums[len(numbers) :]).tolist()
     return dict(zip(names, averaged, strict=True)) if names else averaged[0]
 
 
@@ -322,6 +350,8 @@ def _objective(run: RunConfig, result: float | dict[str, Any]) -> float:
     if not isinstance(result, dict):
         return float(result)
     objective_name = objective_key(run).partition("/")[2]
+    if objective_key(run) in result:  # a value returned under its full name, e.g. "val/loss"
+        return float(result[objective_key(run)])
     if objective_name not in result:
         raise UserError(
             f"trainer.objective={objective_key(run)}: the function returned {sorted(result)}; name one of "

@@ -72,3 +72,12 @@ def indices_seen(module, hparams, train_set, test_set):  # type: ignore[no-untyp
     seen = [int(x) for xb, _ in loader for x in xb.flatten()]
     hparams["sink"].extend(seen)
     return {"seen": float(len(seen))}
+
+
+def mean_ids(module, hparams, train_set, test_set, val_set):  # type: ignore[no-untyped-def]
+    """For a data set whose targets are the samples' ids: the mean id of this rank's validation
+    and test shares (val/ first: averaged over the validation samples)."""
+    module()  # the function builds its model, as any does
+    val_ids = torch.stack([torch.as_tensor(val_set[i][1]) for i in range(len(val_set))]).double()
+    test_ids = torch.stack([torch.as_tensor(test_set[i][1]) for i in range(len(test_set))]).double()
+    return {"val/mean_id": val_ids.mean().item(), "mean_id": test_ids.mean().item()}

@@ -60,3 +60,38 @@ def test_dtf_report_outside_a_training_function_is_one_line() -> None:
 
     with pytest.raises(UserError, match=r"dtf.report\(name, total, count\) is for a training function"):
         dtf.report("loss", 1.0, 2)
+
+
+NUMBERED = [
+    "data.dataset._target_=tests.unit.test_validation_split.numbered",
+    "~data.dataset.num_points",
+    "~data.dataset.num_test",
+    "~data.dataset.low",
+    "~data.dataset.high",
+    "~data.dataset.seed",
+]
+
+
+def test_a_function_gets_the_validation_split_and_may_be_judged_by_it(tmp_path: Path) -> None:
+    # numbered: 1,000 training samples whose targets are their ids 0..999, 200 test (1000..1199).
+    overrides = [
+        *NUMBERED,
+        "trainer.fn._target_=returned_values.mean_ids",
+        "data.val_fraction=0.1",
+        "data.val_seed=5",
+        "trainer.objective=val/mean_id",
+    ]
+    summary = function_in_process(overrides, tmp_path / "run")
+    held = torch.randperm(1000, generator=torch.Generator().manual_seed(5))[:100]  # the split, from its definition
+    assert summary["result"]["val/mean_id"] == pytest.approx(held.double().mean().item())
+    assert summary["result"]["mean_id"] == pytest.approx(1099.5)
+    assert summary["objective_name"] == "val/mean_id" and summary["objective"] == summary["result"]["val/mean_id"]
+
+
+def test_a_function_without_a_val_set_parameter_is_refused_where_the_data_has_one(tmp_path: Path) -> None:
+    from dtf.errors import UserError
+
+    with pytest.raises(UserError, match=r"^the data has a validation split but returned_values\.accuracy takes no "):
+        function_in_process(
+            ["trainer.fn._target_=returned_values.accuracy", "data.val_fraction=0.1", *SMALL], tmp_path / "run"
+        )
