@@ -110,10 +110,27 @@ def test_help_lists_groups_and_options() -> None:
         "data: digits, fake_images, parquet, petastorm, scalar_field",
         "strategy: ddp, fsdp, mics, zero",
         "launcher: local, slurm, spark",
+        "debug: fast, limit, overfit, profile",
     ):
         assert line in out
     assert "schema" not in out  # dtf's schemas are not options a user picks
-    assert "schema" not in out  # dtf's schemas are not options a user picks
+
+
+def test_a_quick_check_on_a_validation_split_with_early_stopping_and_the_best_checkpoint(dtf) -> None:  # type: ignore[no-untyped-def]
+    # As a user checks a config before a long run: debug=fast with the validation and selection keys on.
+    run = dtf(
+        "debug=fast",
+        "data.val_fraction=0.1",
+        "trainer.eval_every_n_steps=1",
+        "trainer.early_stopping.patience=5",
+        "checkpoint.keep_best=1",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = run.summary
+    assert s["objective_name"] == "val/loss" and [e["step"] for e in s["evaluations"]] == [1, 2]
+    assert s["best_step"] in (1, 2) and s["best_objective"] == min(e["val/loss"] for e in s["evaluations"])
+    assert "test at the end: test loss " in run.stdout and "selecting on the test set" not in run.stdout
+    assert (run.run_dir / "best_model.pt").is_file() and s["best_weights_file"] == "best_model.pt"
 
 
 def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
