@@ -281,7 +281,9 @@ class Trainer:
         if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
         keep = False
-        if self.eval_interval and step % self.eval_interval == 0 and not (epoch_ends or last):
+        # Not where the epoch's end evaluates anyway (always after the last step).
+        epoch_end_evaluates = last or (epoch_ends and self._epoch_end_evaluates())
+        if self.eval_interval and step % self.eval_interval == 0 and not epoch_end_evaluates:
             # Before the step's checkpoint, which then holds this evaluation (and what it decided).
             keep = self._evaluate_within_epoch(progress)
             last = last or bool(self.state.stopped_early)
@@ -351,11 +353,10 @@ class Trainer:
         figures: dict[str, float] = {"train/loss": train_loss}
         figures.update({f"train/{k}": v for k, v in self.train_metrics.compute().items()})
         done = st.step >= self.total_steps or bool(st.stopped_early)
-        every = self.s.eval_every_epochs()
         evaluated: dict[str, float] | None = None
         if st.evaluations and st.evaluations[-1]["step"] == st.step:
             evaluated = {k: v for k, v in st.evaluations[-1].items() if "/" in k}  # evaluated at this step already
-        elif self.eval_data is not None and (done or every is None or (st.epoch + 1) % every == 0):
+        elif self.eval_data is not None and (done or self._epoch_end_evaluates()):
             evaluated = self._evaluated(self.eval_data, self.eval_split, stoppable=True)
             if evaluated is None:
                 return False
@@ -375,6 +376,12 @@ class Trainer:
             self.pruned_at_epoch = st.epoch
             progress.write(f"epoch {st.epoch}: pruned by the search (hydra.sweeper.pruner)")
         return True
+
+    def _epoch_end_evaluates(self) -> bool:
+        """The current epoch's end is one trainer.eval_every_n_epochs asks for (every epoch's, for
+        a fraction of one)."""
+        every = self.s.eval_every_epochs()
+        return every is None or (self.state.epoch + 1) % every == 0
 
     def _evaluate_within_epoch(self, progress: Progress) -> bool:
         """An evaluation between two steps of an epoch (trainer.eval_every_n_steps, or a fraction of

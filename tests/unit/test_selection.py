@@ -173,3 +173,8 @@ def test_dtf_eval_of_the_best_checkpoint_gives_its_reported_objective(chosen: Ch
         result = evaluation.run(typed(cfg), env, run_dir / "evaluations", evaluation.EvalRequest(str(best), ("val",)))
     assert result is not None and result.summary["metrics"]["val/loss"] == s["best_objective"]  # same rank, same order
     assert json.loads((best / "eval.json").read_text())["metrics"] == result.summary["metrics"]
+
+
+def test_evaluations_every_n_steps_also_land_on_epoch_ends_that_do_not_evaluate(tmp_path: Path) -> None:
+    s = _run(tmp_path, "run", "trainer.max_epochs=3", "trainer.eval_every_n_steps=25", "trainer.eval_every_n_epochs=2")
+    assert [e["step"] for e in s["evaluations"]] == [25, 50, 75, 100, 125, 150]
