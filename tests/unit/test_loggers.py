@@ -1,0 +1,120 @@
+"""The logger group (logger=[tensorboard,csv,mlflow]): in process, against files and stores with
+no server (MLflow's file store; tests/e2e/test_mlflow_server.py runs a real tracking server and
+MLflow's SQLite store, whose first use makes its tables for seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dtf.errors import UserError
+from tests.helpers.inprocess import compose_config, train_in_process
+from tests.helpers.tracking import as_float32, flattened, training_scalars
+
+# 6 steps of 32 samples; a train line every 2 steps, an evaluation every 3 (and at the end).
+RUN = [
+    "data.dataset.num_points=400",
+    "data.dataset.num_test=64",
+    "trainer.max_steps=6",
+    "trainer.log_every_n_steps=2",
+    "trainer.eval_every_n_steps=3",
+]
+
+
+@pytest.fixture(scope="module")
+def csv_and_sqlite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[str]]:
+    """One run logging to TensorBoard, metrics.csv and an MLflow file store (no server)."""
+    root = tmp_path_factory.mktemp("loggers")
+    uri = (root / "mlruns").as_uri()  # a file store: no server, no database to make
+    overrides = [*RUN, "logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={uri}"]
+    train_in_process(overrides, root / "run")
+    return root / "run", uri, overrides
+
+
+def test_metrics_csv_has_one_row_per_logged_step_with_tensorboards_values(csv_and_sqlite_run) -> None:  # type: ignore[no-untyped-def]
+    run_dir, _, _ = csv_and_sqlite_run
+    table = pd.read_csv(run_dir / "metrics.csv")
+    assert table["step"].is_unique and table["step"].is_monotonic_increasing
+    scalars = training_scalars(run_dir)
+    assert set(table.columns) - {"step"} == set(scalars)
+    assert set(table["step"]) == {s for by_step in scalars.values() for s in by_step}
+    for tag, by_step in scalars.items():
+        column = table.set_index("step")[tag].dropna()
+        assert as_float32(column.to_dict()) == by_step, tag
+    assert {"train/loss_rank0", "train/lr", "test/loss", "test/rmse", "train/epoch_loss"} <= set(scalars)
+
+
+def test_an_mlflow_file_store_gets_the_config_and_tensorboards_scalars(csv_and_sqlite_run) -> None:  # type: ignore[no-untyped-def]
+    from mlflow.tracking import MlflowClient
+
+    run_dir, uri, overrides = csv_and_sqlite_run
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("dtf").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params == flattened(compose_config(overrides))
+    assert run.data.tags["dtf.run_dir"] == str(run_dir.resolve())
+    assert (run.data.tags["dtf.strategy"], run.data.tags["dtf.world_size"]) == ("ddp", "1")
+    for tag, by_step in training_scalars(run_dir).items():
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
+        assert as_float32(history) == by_step, tag
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert run.data.metrics["hparam/objective"] == summary["objective"]  # TensorBoard's hparams figure, at the end
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"summary.json", "model.pt"} <= artifacts
+
+
+def test_logger_choices_compose_and_unknown_ones_are_refused() -> None:
+    assert set(compose_config(["logger=[tensorboard,csv]"]).logger) == {"tensorboard", "csv"}
+    assert compose_config(["logger=[]"]).get("logger") is None
+    assert set(compose_config(["logger=many_loggers"]).logger) == {"tensorboard", "csv", "mlflow"}
+    assert list(compose_config(["+logger=[csv]"]).logger) == ["tensorboard", "csv"]  # Hydra's +: added to the default
+    with pytest.raises(UserError, match=r"logger.neptune is not one of dtf's loggers"):
+        compose_config(["+logger.neptune.project=x"])
+    with pytest.raises(UserError, match=r"logger.mlflow: Key 'uri' not in"):
+        compose_config(["logger=[mlflow]", "+logger.mlflow.uri=x"])
+
+
+def test_no_logger_writes_no_tensorboard(tmp_path: Path) -> None:
+    train_in_process([*RUN, "trainer.max_steps=2", "logger=[]"], tmp_path)
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(UserError, match=r"logger=wandb needs the wandb package.*pip install 'dtf\[wandb\]'"):
+        compose_config(["logger=[tensorboard,wandb]"])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_an_unreachable_tracking_server_refuses_the_run_before_it_starts() -> None:
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(UserError) as refused:
+        compose_config(["logger=[mlflow]", f"logger.mlflow.tracking_uri={uri}"])
+    line = str(refused.value)
+    assert "\n" not in line and "cannot be reached" in line and "logger.mlflow.on_error=warn" in line
+
+
+def test_with_on_error_warn_an_unreachable_server_trains_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    summary = train_in_process(
+        [*RUN, "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}", "logger.mlflow.on_error=warn"],
+        tmp_path,
+    )
+    out = capsys.readouterr().out
+    assert summary["global_step"] == 6
+    assert "cannot be reached" in out and out.count("MLflow failed") == 1
