@@ -118,3 +118,22 @@ def test_with_on_error_warn_an_unreachable_server_trains_with_a_warning(
     out = capsys.readouterr().out
     assert summary["global_step"] == 6
     assert "cannot be reached" in out and out.count("MLflow failed") == 1
+
+
+def test_a_run_started_from_another_runs_checkpoint_gets_an_mlflow_run_of_its_own(
+    csv_and_sqlite_run, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """checkpoint.resume=<path> of another run dir: that run's MLflow run is left as it is."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir, uri, overrides = csv_and_sqlite_run
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    train_in_process([*overrides, "trainer.max_steps=8", f"checkpoint.resume={checkpoint}"], tmp_path)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("dtf").experiment_id])
+    by_dir = {r.data.tags["dtf.run_dir"]: r for r in runs}
+    assert set(by_dir) == {str(run_dir.resolve()), str(tmp_path.resolve())}
+    assert (
+        max(m.step for m in client.get_metric_history(by_dir[str(run_dir.resolve())].info.run_id, "train/loss_rank0"))
+        == 6
+    )

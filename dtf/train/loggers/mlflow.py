@@ -56,7 +56,7 @@ class MlflowLogger:
         self._call("starting the run", lambda: self._start(MlflowClient(self.settings.tracking_uri), state))
 
     def _start(self, client: Any, state: Any) -> None:
-        if state.mlflow_run_id:
+        if state.mlflow_run_id and self._same_run_dir(client, state.mlflow_run_id):
             run = client.get_run(state.mlflow_run_id)
             client.update_run(state.mlflow_run_id, status="RUNNING")
             self._log_params_of_resumed(client, state.mlflow_run_id, run.data.params)
@@ -69,6 +69,18 @@ class MlflowLogger:
         state.mlflow_run_id = self.run_id
         self._log_params(self.params)
         print(f"dtf: MLflow run {self.run_id} in experiment {experiment} ({client.tracking_uri})", flush=True)
+
+    def _same_run_dir(self, client: Any, run_id: str) -> bool:
+        """The checkpoint's MLflow run is this run dir's (not a run whose checkpoint this one starts from,
+        checkpoint.resume=<path>, nor one deleted since): only then is it continued."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return bool(client.get_run(run_id).data.tags.get("dtf.run_dir") == self.tags["dtf.run_dir"])
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
 
     def _log_params_of_resumed(self, client: Any, run_id: str, logged: dict[str, str]) -> None:
         """MLflow keeps a param's first value: the new ones are added, the changed ones said once."""
