@@ -13,6 +13,7 @@ number of partitions a step takes its rows from.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import sys
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dtf.data.parquet.petastorm_format import PetastormField, decode
-from dtf.data.parquet.plan import Stream
+from dtf.data.parquet.plan import STORED, RowOrder, Stream
 from dtf.data.parquet.source import IMAGE_FIX, ParquetSource, filesystem, first_line, is_vector, list_dataset
 from dtf.errors import UserError
 from dtf.signals import ignore_stop_signals
@@ -64,33 +65,60 @@ class ReaderOptions:
     results_queue_size: int = 8
 
 
+Pieces = dict[int, Columns]  # row groups' columns, by piece
+
+
 @dataclass(frozen=True)
 class RowGroupReader:
-    """Reads one row group's columns as numpy arrays (what a worker runs; picklable for processes)."""
+    """Reads row groups' columns as numpy arrays (what a worker runs; picklable for processes)."""
 
     source: ParquetSource
     columns: tuple[str, ...]
     fields: Mapping[str, PetastormField]  # the columns decoded by their Petastorm codec
 
-    def __call__(self, piece: int) -> Columns:
+    def __call__(self, pieces: Sequence[int], order: RowOrder = STORED) -> Pieces:
+        """These row groups' columns, the rows of each in their epoch order (order).
+
+        A step at a time for all of them (read each, then permute and convert each): a loop that
+        alternates Arrow's reading and numpy's work per row group took about 1.5 times as long
+        here, each evicting the other's code and data from the CPU's caches. Permuted here rather
+        than where the steps are gathered: a worker seeds and shuffles, and the consumer copies
+        contiguous rows."""
+        tables = {piece: self._read(piece) for piece in pieces}
+        return {piece: self._columns(piece, table, order) for piece, table in tables.items()}
+
+    def _read(self, piece: int) -> Any:
         path, row_group = self.source.pieces[piece]
         partition = self.source.partition_values.get(path, {})
         stored = [c for c in self.columns if c not in partition]
-        column: str | None = None
         try:
             # One thread's reads are sequential: Arrow parallelism inside them would only compete with the others'.
             table = _open(self.source, path).read_row_group(row_group, columns=stored, use_threads=False)
-            start, rows = self.source.start_of(piece), self.source.piece_rows[piece]
-            if start or rows != table.num_rows:  # part of the row group (a split held out for validation)
-                table = table.slice(start, rows)
-            out: Columns = {}
+        except UserError:
+            raise
+        except Exception as e:
+            raise WorkerReadError(describe_read_error(e, path, row_group, None)) from None
+        start, rows = self.source.start_of(piece), self.source.piece_rows[piece]
+        if start or rows != table.num_rows:  # part of the row group (a split held out for validation)
+            table = table.slice(start, rows)
+        return table
+
+    def _columns(self, piece: int, table: Any, order: RowOrder) -> Columns:
+        path, row_group = self.source.pieces[piece]
+        partition = self.source.partition_values.get(path, {})
+        perm = order.of(piece, table.num_rows) if order.shuffle else None
+        out: Columns = {}
+        column: str | None = None
+        try:
             for column in self.columns:
                 if column in partition:
                     out[column] = np.full(table.num_rows, partition[column])
-                elif column in self.fields:
-                    out[column] = decode(self.fields[column], table.column(column))
+                    continue
+                if column in self.fields:
+                    values = decode(self.fields[column], table.column(column))
                 else:
-                    out[column] = arrow_to_numpy(table.column(column), column)
+                    values = arrow_to_numpy(table.column(column), column)
+                out[column] = values if perm is None else values.take(perm, axis=0)
             return out
         except UserError:
             raise
@@ -131,9 +159,9 @@ def _start_process_worker(reader: RowGroupReader) -> None:
     _PROCESS_READER = reader
 
 
-def _read_in_process(piece: int) -> Columns:
+def _read_in_process(pieces: Sequence[int], order: RowOrder) -> Pieces:
     assert _PROCESS_READER is not None
-    return _PROCESS_READER(piece)
+    return _PROCESS_READER(pieces, order)
 
 
 def _make_pool(opts: ReaderOptions, reader: RowGroupReader) -> Executor | None:
@@ -175,16 +203,19 @@ def _stop_pool(pool: Executor) -> None:
 
 @dataclass(frozen=True)
 class _Runs:
-    """A stream's rows grouped by row group: run j is rows [starts[j], starts[j + 1]) from pieces[j]."""
+    """A stream's rows as runs of consecutive rows of one row group (in its epoch order): run j is
+    the stream's rows [starts[j], starts[j + 1]), positions firsts[j], firsts[j] + 1, ... of pieces[j]."""
 
     starts: np.ndarray
     pieces: np.ndarray
+    firsts: np.ndarray
 
     @staticmethod
     def of(stream: Stream) -> _Runs:
-        cuts = np.flatnonzero(stream.pieces[1:] != stream.pieces[:-1]) + 1
+        pieces, positions = stream.pieces, stream.positions
+        cuts = np.flatnonzero((pieces[1:] != pieces[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
         starts = np.concatenate([[0], cuts, [len(stream)]]).astype(np.int64) if len(stream) else np.zeros(1, np.int64)
-        return _Runs(starts, stream.pieces[starts[:-1]])
+        return _Runs(starts, pieces[starts[:-1]], positions[starts[:-1]])
 
 
 class StepReading:
@@ -212,6 +243,9 @@ class StepReading:
         self.steps = len(self.bounds) - 1
         used = int(self.bounds[-1])
         self.streams = [s[:used] for s in streams] if self.steps else []
+        orders = {s.order for s in self.streams}
+        assert len(orders) <= 1, "the streams of a reading are of one epoch"
+        self.row_order = orders.pop() if orders else STORED
         widths = np.diff(self.bounds)
         assert len(self.streams) <= 1 or np.all(widths == widths[0]), "partitions take equal rows every step"
         self.runs = [_Runs.of(s) for s in self.streams]
@@ -226,10 +260,16 @@ class StepReading:
                 self.last_step[piece] = max(self.last_step.get(piece, end), end)
         self.order = sorted(first, key=first.__getitem__)
         self.position = {piece: i for i, piece in enumerate(self.order)}
+        # Row groups are read a task of a few at a time (see RowGroupReader), each worker's share
+        # of the read-ahead; one at a time by processes, whose work is decoding (images).
+        self.ahead = max(opts.results_queue_size, opts.workers_count)
+        size = 1 if opts.pool_type == "process" else max(1, self.ahead // opts.workers_count)
+        self.tasks = [self.order[i : i + size] for i in range(0, len(self.order), size)]
+        self.task_size = size
         self.row_bytes = _stored_row_bytes(source)  # until a row group arrives and says it decoded
         self.arrived: dict[int, Columns] = {}  # row groups at the consumer, until the chunk that needs them last
-        self.futures: dict[int, Future[Columns]] = {}
-        self.next_submit = 0  # the index in self.order of the next row group to hand a worker
+        self.futures: dict[int, Future[Pieces]] = {}  # by task
+        self.next_submit = 0  # the next task to hand a worker
         self.received = 0
         fields = source.unischema.fields if opts.row_reader and source.unischema is not None else {}
         self.reader = RowGroupReader(source, self.columns, {c: fields[c] for c in self.columns if c in fields})
@@ -250,69 +290,67 @@ class StepReading:
         return self.received == len(self.order)
 
     def _submit(self, upto: int) -> None:
-        """Hand workers the row groups up to order[upto], and as many beyond as may be read ahead."""
-        ahead = max(self.opts.results_queue_size, self.opts.workers_count)
-        limit = min(len(self.order), max(upto + 1, self.received + ahead))
+        """Hand workers the tasks up to the one of order[upto], and as many beyond as may be read ahead."""
+        limit = min(len(self.order), max(upto + 1, self.received + self.ahead))
         pool = self.pool
         assert pool is not None
         processes = self.opts.pool_type == "process"
         with _main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
-            while self.next_submit < limit:
-                piece = self.order[self.next_submit]
-                self.futures[piece] = pool.submit(_read_in_process if processes else self.reader, piece)
+            while self.next_submit * self.task_size < limit:
+                read = _read_in_process if processes else self.reader
+                self.futures[self.next_submit] = pool.submit(read, self.tasks[self.next_submit], self.row_order)
                 self.next_submit += 1
 
     def _receive(self, piece: int) -> Columns:
         if piece in self.arrived:
             return self.arrived[piece]
+        task = self.position[piece] // self.task_size
         if self.pool is None:
-            columns = self._result(piece, None)
+            pieces = self._result(task, None)
         else:
             self._submit(upto=self.position[piece])
-            columns = self._result(piece, self.futures.pop(piece))
-        self.arrived[piece] = columns
-        self.received += 1
-        rows = len(next(iter(columns.values()))) if columns else 0
-        if rows:
-            self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
-        return columns
+            future = self.futures.pop(task)
+            # A task no worker thread has started is read here rather than waited for: the consumer
+            # would wait idle, and a thread that needs the GIL back between Arrow's calls gets it
+            # only every few ms (sys.getswitchinterval) while the consumer runs Python.
+            stolen = self.opts.pool_type == "thread" and future.cancel()
+            pieces = self._result(task, None if stolen else future)
+        self.arrived.update(pieces)
+        self.received += len(pieces)
+        for columns in pieces.values():
+            rows = len(next(iter(columns.values()))) if columns else 0
+            if rows:
+                self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
+        return self.arrived[piece]
 
-    def _result(self, piece: int, future: Future[Columns] | None) -> Columns:
+    def _result(self, task: int, future: Future[Pieces] | None) -> Pieces:
         try:
-            return self.reader(piece) if future is None else future.result()
+            return self.reader(self.tasks[task], self.row_order) if future is None else future.result()
         except WorkerReadError as e:
             raise UserError(f"{self.source.key}={self.source.url}: {e}") from None
         except UserError:
             raise
         except Exception as e:  # the pool itself failed (a worker process died)
-            path, row_group = self.source.pieces[piece]
+            path, row_group = self.source.pieces[self.tasks[task][0]]
             raise UserError(
                 f"{self.source.key}={self.source.url}: reading {path} (row group {row_group}) failed ({first_line(e)})"
             ) from None
 
-    def chunks(self) -> Iterator[tuple[Columns, list[slice]]]:
-        """The steps a chunk at a time: the chunk's rows, one array per column, and each step's rows in it."""
+    def chunks(self) -> Iterator[tuple[Columns, list[int]]]:
+        """The steps a chunk at a time: the chunk's rows, one array per column, and the number of
+        rows of each step (the chunk's first rows are the first step's, and so on)."""
         first, n = 0, len(self.streams)
         try:
             while first < self.steps:
                 last = min(self.steps, first + self._chunk_steps(first))
                 chunk = self._gather(first, last)
-                lo = int(self.bounds[first]) * n
-                spans = [
-                    slice(int(self.bounds[t]) * n - lo, int(self.bounds[t + 1]) * n - lo) for t in range(first, last)
-                ]
+                sizes = (np.diff(self.bounds[first : last + 1]) * n).tolist()
                 for piece in [p for p in self.arrived if self.last_step[p] < last]:
                     del self.arrived[piece]
-                yield chunk, spans
+                yield chunk, sizes
                 first = last
         finally:
             self.close()
-
-    def __iter__(self) -> Iterator[Columns]:
-        """Each step's rows, one array per column (views of its chunk's)."""
-        for chunk, spans in self.chunks():
-            for span in spans:
-                yield {name: values[span] for name, values in chunk.items()}
 
     def _chunk_steps(self, step: int) -> int:
         rows = max(1, int(self.bounds[step + 1] - self.bounds[step]) * len(self.streams))
@@ -330,21 +368,27 @@ class StepReading:
             while at < hi:
                 end = min(hi, int(runs.starts[j + 1]))
                 values = self._receive(int(runs.pieces[j]))
-                rows = stream.rows[at:end]
-                whole = len(self.streams) == 1 and at == lo and end == hi and _is_range(rows)
+                offset = int(runs.firsts[j]) + at - int(runs.starts[j])
+                rows = slice(offset, offset + end - at)
+                whole = len(self.streams) == 1 and at == lo and end == hi
                 for name, column in values.items():
-                    if whole:  # the chunk is one run of stored rows: a view, no copy
-                        per_stream[name] = column[int(rows[0]) : int(rows[0]) + len(rows)][None]
+                    if whole:  # the chunk is one run: a view, no copy
+                        per_stream[name] = column[rows][None]
                         continue
                     out = per_stream.get(name)
                     if out is None or out.shape[2:] != column.shape[1:] or not np.can_cast(column.dtype, out.dtype):
                         out = per_stream[name] = _widen(out, column, (len(self.streams), hi - lo), name)
-                    if out.dtype == column.dtype:  # take into place: a third of a fancy index's time
-                        column.take(rows, axis=0, out=out[k, at - lo : end - lo], mode="clip")
-                    else:
-                        out[k, at - lo : end - lo] = column[rows]
+                    out[k, at - lo : end - lo] = column[rows]
                 at, j = end, j + 1
         return {name: _interleave(out, last - first) for name, out in per_stream.items()}
+
+    def stop_workers(self) -> None:
+        """Stop the workers (those of a process pool end) once every row group has arrived: the
+        steps still to come are made from what arrived."""
+        assert self.all_arrived, "a reading needs its workers until every row group has arrived"
+        if self.pool is not None:
+            self.pool = None
+            self._stop()
 
     def close(self) -> None:
         """Stop the workers (those of a process pool end); the reading cannot be iterated after."""
@@ -409,10 +453,6 @@ def _check_unchanged(source: ParquetSource) -> None:
         )
 
 
-def _is_range(rows: np.ndarray) -> bool:
-    return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
-
-
 def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
     """A numeric (or list-of-numbers) Arrow column as an array of shape (rows,) or (rows, width)."""
     import pyarrow as pa
@@ -431,11 +471,13 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
         # This array's own values (it may be a slice of a longer one), without a copy: flatten()
         # copies, and numpy would read the offsets one Python object at a time.
         offsets = arr.offsets.to_numpy()
-        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        values = arr.values
+        if offsets[0] != 0 or offsets[-1] != len(values):
+            values = values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if not _is_numeric(values.type):
             raise UserError(f"column {name!r} is a list of {values.type}: dtf reads lists of numbers only")
         width = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-        if (offsets[1:] - offsets[:-1] != width).any():
+        if not _equal_lengths(offsets, width):
             raise UserError(f"column {name!r} holds lists of different lengths: every row needs the same length")
         return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
     if not _is_numeric(kind):
@@ -445,6 +487,18 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
             f"column {name!r} has type {kind}: dtf turns only numbers and lists of numbers into tensors{hint}"
         )
     return arr.to_numpy(zero_copy_only=False)
+
+
+def _equal_lengths(offsets: np.ndarray, width: int) -> bool:
+    """Every list of these offsets holds width values."""
+    if offsets[0] == 0:  # a whole row group's column: one comparison of bytes (numpy's ufuncs take longer)
+        return offsets.tobytes() == _even_offsets(len(offsets), width, offsets.dtype.str)
+    return not (offsets[1:] - offsets[:-1] != width).any()
+
+
+@functools.lru_cache(maxsize=16)
+def _even_offsets(count: int, width: int, dtype: str) -> bytes:
+    return (np.arange(count, dtype=dtype) * width).tobytes()
 
 
 def vectors_to_numpy(arr: Any, name: str) -> np.ndarray:
