@@ -138,7 +138,7 @@ class _Stream:
             x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
         return self.transform((x, y)) if self.transform is not None else (x, y)
 
-    def start_reading(self, streams: Sequence[Stream], bounds: Sequence[int]) -> StepReading:
+    def start_reading(self, streams: Sequence[Stream], bounds: Sequence[int] | np.ndarray) -> StepReading:
         """The reading of these steps, its workers started (they read ahead from now on)."""
         return StepReading(self.source, streams, bounds, self.layout.columns, self.reader)
 
@@ -266,7 +266,7 @@ class ParquetTrainData:
     def _start_reading(self, epoch: int, start_batch: int) -> StepReading:
         streams = self.streams(epoch, start_batch)
         steps = len(streams[0]) // self.rows_per_step
-        return self.stream.start_reading(streams, [t * self.rows_per_step for t in range(steps + 1)])
+        return self.stream.start_reading(streams, np.arange(steps + 1) * self.rows_per_step)
 
     def __iter__(self) -> Iterator[Batch]:
         return self._batches(self.epoch, self.start_batch, self.read_ahead)

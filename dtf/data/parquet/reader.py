@@ -12,6 +12,7 @@ number of partitions a step takes its rows from.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import multiprocessing
@@ -34,9 +35,10 @@ from dtf.signals import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
 
-# A chunk of steps: enough steps that its work (a sort, a copy per row group and column) is small
-# per step, and at most a few MB (decoded), so that a chunk of images stays small.
-CHUNK_STEPS = 64
+# A chunk of steps: enough steps that its work (a copy per run of rows and column, the
+# interleaving of the partitions) is small per step, and at most a few MB (decoded), so that a
+# chunk of images stays small.
+CHUNK_STEPS = 256
 CHUNK_BYTES = 4 << 20
 
 
@@ -204,18 +206,19 @@ def _stop_pool(pool: Executor) -> None:
 @dataclass(frozen=True)
 class _Runs:
     """A stream's rows as runs of consecutive rows of one row group (in its epoch order): run j is
-    the stream's rows [starts[j], starts[j + 1]), positions firsts[j], firsts[j] + 1, ... of pieces[j]."""
+    the stream's rows [starts[j], starts[j + 1]), positions firsts[j], firsts[j] + 1, ... of pieces[j].
+    Lists: the consumer reads them an item at a time."""
 
-    starts: np.ndarray
-    pieces: np.ndarray
-    firsts: np.ndarray
+    starts: list[int]
+    pieces: list[int]
+    firsts: list[int]
 
     @staticmethod
     def of(stream: Stream) -> _Runs:
         pieces, positions = stream.pieces, stream.positions
         cuts = np.flatnonzero((pieces[1:] != pieces[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
         starts = np.concatenate([[0], cuts, [len(stream)]]).astype(np.int64) if len(stream) else np.zeros(1, np.int64)
-        return _Runs(starts, pieces[starts[:-1]], positions[starts[:-1]])
+        return _Runs(starts.tolist(), pieces[starts[:-1]].tolist(), positions[starts[:-1]].tolist())
 
 
 class StepReading:
@@ -233,7 +236,7 @@ class StepReading:
         self,
         source: ParquetSource,
         streams: Sequence[Stream],
-        bounds: Sequence[int],
+        bounds: Sequence[int] | np.ndarray,
         columns: Sequence[str],
         opts: ReaderOptions,
     ) -> None:
@@ -253,9 +256,10 @@ class StepReading:
         first: dict[int, tuple[int, int]] = {}
         self.last_step: dict[int, int] = {}
         for k, runs in enumerate(self.runs):
-            begins = np.searchsorted(self.bounds, runs.starts[:-1], side="right") - 1
-            ends = np.searchsorted(self.bounds, runs.starts[1:] - 1, side="right") - 1
-            for piece, begin, end in zip(runs.pieces.tolist(), begins.tolist(), ends.tolist(), strict=True):
+            starts = np.asarray(runs.starts, dtype=np.int64)
+            begins = np.searchsorted(self.bounds, starts[:-1], side="right") - 1
+            ends = np.searchsorted(self.bounds, starts[1:] - 1, side="right") - 1
+            for piece, begin, end in zip(runs.pieces, begins.tolist(), ends.tolist(), strict=True):
                 first[piece] = min(first.get(piece, (begin, k)), (begin, k))
                 self.last_step[piece] = max(self.last_step.get(piece, end), end)
         self.order = sorted(first, key=first.__getitem__)
@@ -361,24 +365,24 @@ class StepReading:
         are copied out of their row groups a run at a time, then the streams are interleaved step by
         step (one more copy, where there are several)."""
         lo, hi = int(self.bounds[first]), int(self.bounds[last])
+        shape = (len(self.runs), hi - lo)
         per_stream: dict[str, np.ndarray] = {}
-        for k, (stream, runs) in enumerate(zip(self.streams, self.runs, strict=True)):
-            j = int(np.searchsorted(runs.starts, lo, side="right")) - 1
+        for k, runs in enumerate(self.runs):
+            j = bisect.bisect_right(runs.starts, lo) - 1
             at = lo
             while at < hi:
-                end = min(hi, int(runs.starts[j + 1]))
-                values = self._receive(int(runs.pieces[j]))
-                offset = int(runs.firsts[j]) + at - int(runs.starts[j])
+                end = min(hi, runs.starts[j + 1])
+                values = self._receive(runs.pieces[j])
+                offset = runs.firsts[j] + at - runs.starts[j]
                 rows = slice(offset, offset + end - at)
-                whole = len(self.streams) == 1 and at == lo and end == hi
-                for name, column in values.items():
-                    if whole:  # the chunk is one run: a view, no copy
-                        per_stream[name] = column[rows][None]
-                        continue
-                    out = per_stream.get(name)
-                    if out is None or out.shape[2:] != column.shape[1:] or not np.can_cast(column.dtype, out.dtype):
-                        out = per_stream[name] = _widen(out, column, (len(self.streams), hi - lo), name)
-                    out[k, at - lo : end - lo] = column[rows]
+                if shape[0] == 1 and at == lo and end == hi:  # the chunk is one run: a view, no copy
+                    per_stream.update((name, column[rows][None]) for name, column in values.items())
+                else:
+                    for name, column in values.items():
+                        out = per_stream.get(name)
+                        if out is None or out.dtype != column.dtype or out.shape[2:] != column.shape[1:]:
+                            out = per_stream[name] = _array_for(out, column, shape, name)
+                        out[k, at - lo : end - lo] = column[rows]
                 at, j = end, j + 1
         return {name: _interleave(out, last - first) for name, out in per_stream.items()}
 
@@ -424,9 +428,10 @@ def _stored_row_bytes(source: ParquetSource) -> int:
     return max(1, stored // rows) if rows else 1
 
 
-def _widen(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
-    """A chunk's array of a column, made for values (first row group), or widened for them: files
-    may store one column in different widths (int32 in one, int64 in another)."""
+def _array_for(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
+    """A chunk's array of a column that values fit in: made for them (first row group), the one it
+    has (values cast to it on the way), or that one widened: files may store one column in
+    different widths (int32 in one, int64 in another)."""
     if have is None:
         return np.empty((*shape, *values.shape[1:]), dtype=values.dtype)
     if have.shape[2:] != values.shape[1:]:
@@ -434,6 +439,8 @@ def _widen(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], 
             f"column {name!r} holds values of shape {values.shape[1:]} in one row group and "
             f"{have.shape[2:]} in another: every row needs one shape"
         )
+    if np.can_cast(values.dtype, have.dtype):
+        return have
     return have.astype(np.result_type(have.dtype, values.dtype))
 
 
