@@ -357,7 +357,9 @@ def test_the_next_epoch_read_ahead_gives_the_same_batches_and_is_let_go_when_not
         assert _worker_pids() <= before
 
 
-def test_reading_ahead_reads_every_row_group_an_epoch_needs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reading_ahead_reads_every_row_group_an_epoch_needs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The next epoch's reading starts once this one's row groups all arrived: the steps still to
     come use them as they are, they are not read again."""
     monkeypatch.setattr(reader, "CHUNK_STEPS", 4)  # several chunks after the last row group arrives
