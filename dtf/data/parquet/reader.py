@@ -264,13 +264,14 @@ class StepReading:
                 self.last_step[piece] = max(self.last_step.get(piece, end), end)
         self.order = sorted(first, key=first.__getitem__)
         self.position = {piece: i for i, piece in enumerate(self.order)}
-        # Row groups are read a task of a few at a time (see RowGroupReader), each worker's share
-        # of the read-ahead; one at a time by processes, whose work is decoding (images).
-        self.ahead = max(opts.results_queue_size, opts.workers_count)
-        size = 1 if opts.pool_type == "process" else max(1, self.ahead // opts.workers_count)
-        self.tasks = [self.order[i : i + size] for i in range(0, len(self.order), size)]
-        self.task_size = size
         self.row_bytes = _stored_row_bytes(source)  # until a row group arrives and says it decoded
+        # Row groups are read a task of a few at a time (see RowGroupReader): each worker's share
+        # of the read-ahead, a few MB at most; one at a time by processes, whose work is decoding.
+        self.ahead = max(opts.results_queue_size, opts.workers_count)
+        piece_bytes = self.row_bytes * max(1, source.num_rows // max(1, len(source.pieces)))
+        size = 1 if opts.pool_type == "process" else min(self.ahead // opts.workers_count, CHUNK_BYTES // piece_bytes)
+        self.task_size = max(1, size)
+        self.tasks = [self.order[i : i + self.task_size] for i in range(0, len(self.order), self.task_size)]
         self.arrived: dict[int, Columns] = {}  # row groups at the consumer, until the chunk that needs them last
         self.futures: dict[int, Future[Pieces]] = {}  # by task
         self.next_submit = 0  # the next task to hand a worker
@@ -310,22 +311,38 @@ class StepReading:
             return self.arrived[piece]
         task = self.position[piece] // self.task_size
         if self.pool is None:
-            pieces = self._result(task, None)
-        else:
-            self._submit(upto=self.position[piece])
-            future = self.futures.pop(task)
-            # A task no worker thread has started is read here rather than waited for: the consumer
-            # would wait idle, and a thread that needs the GIL back between Arrow's calls gets it
-            # only every few ms (sys.getswitchinterval) while the consumer runs Python.
-            stolen = self.opts.pool_type == "thread" and future.cancel()
-            pieces = self._result(task, None if stolen else future)
+            self._arrive(self._result(task, None))
+            return self.arrived[piece]
+        self._submit(upto=self.position[piece])
+        future = self.futures.pop(task)
+        # The consumer reads a task no worker thread has started rather than wait idle: the one it
+        # needs, or while a worker reads that one, the next ones. (A thread that needs the GIL back
+        # between Arrow's calls gets it only every few ms while the consumer runs Python, and
+        # Arrow's decoding and numpy's copies release it: two readers where rows are wide.)
+        if self.opts.pool_type == "thread":
+            if future.cancel():
+                self._arrive(self._result(task, None))
+                return self.arrived[piece]
+            while not future.done() and (later := self._unstarted()) is not None:
+                self._arrive(self._result(later, None))
+        self._arrive(self._result(task, future))
+        return self.arrived[piece]
+
+    def _unstarted(self) -> int | None:
+        """The first task handed to the workers that none has started, taken back (None: none is left)."""
+        for task, future in self.futures.items():
+            if future.cancel():
+                del self.futures[task]
+                return task
+        return None
+
+    def _arrive(self, pieces: Pieces) -> None:
         self.arrived.update(pieces)
         self.received += len(pieces)
         for columns in pieces.values():
             rows = len(next(iter(columns.values()))) if columns else 0
             if rows:
                 self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
-        return self.arrived[piece]
 
     def _result(self, task: int, future: Future[Pieces] | None) -> Pieces:
         try:
@@ -362,11 +379,14 @@ class StepReading:
 
     def _gather(self, first: int, last: int) -> Columns:
         """The rows of steps [first, last), one array per column, in step order: each stream's rows
-        are copied out of their row groups a run at a time, then the streams are interleaved step by
-        step (one more copy, where there are several)."""
+        are copied out of their row groups a run at a time, straight to their places (several
+        streams: as an array (steps, streams, rows per step, ...), step t's rows of every stream
+        side by side)."""
         lo, hi = int(self.bounds[first]), int(self.bounds[last])
-        shape = (len(self.runs), hi - lo)
-        per_stream: dict[str, np.ndarray] = {}
+        n = len(self.runs)
+        b = (hi - lo) // (last - first)  # several streams: every step takes b rows of each
+        lead = (hi - lo,) if n == 1 else (last - first, n, b)
+        chunk: dict[str, np.ndarray] = {}
         for k, runs in enumerate(self.runs):
             j = bisect.bisect_right(runs.starts, lo) - 1
             at = lo
@@ -375,16 +395,19 @@ class StepReading:
                 values = self._receive(runs.pieces[j])
                 offset = runs.firsts[j] + at - runs.starts[j]
                 rows = slice(offset, offset + end - at)
-                if shape[0] == 1 and at == lo and end == hi:  # the chunk is one run: a view, no copy
-                    per_stream.update((name, column[rows][None]) for name, column in values.items())
+                if n == 1 and at == lo and end == hi:  # the chunk is one run: a view, no copy
+                    chunk.update((name, column[rows]) for name, column in values.items())
                 else:
                     for name, column in values.items():
-                        out = per_stream.get(name)
-                        if out is None or out.dtype != column.dtype or out.shape[2:] != column.shape[1:]:
-                            out = per_stream[name] = _array_for(out, column, shape, name)
-                        out[k, at - lo : end - lo] = column[rows]
+                        out = chunk.get(name)
+                        if out is None or out.dtype != column.dtype or out.shape[len(lead) :] != column.shape[1:]:
+                            out = chunk[name] = _array_for(out, column, lead, name)
+                        if n == 1:
+                            out[at - lo : end - lo] = column[rows]
+                        else:
+                            _place(out, k, at - lo, end - lo, column[rows])
                 at, j = end, j + 1
-        return {name: _interleave(out, last - first) for name, out in per_stream.items()}
+        return {name: out.reshape(n * (hi - lo), *out.shape[len(lead) :]) for name, out in chunk.items()}
 
     def stop_workers(self) -> None:
         """Stop the workers (those of a process pool end) once every row group has arrived: the
@@ -409,14 +432,21 @@ class StepReading:
         return self._closed
 
 
-def _interleave(out: np.ndarray, steps: int) -> np.ndarray:
-    """(streams, steps x b, ...) -> the rows of step 0 of every stream, then step 1's, ... (one copy)."""
-    streams = out.shape[0]
-    if streams == 1:
-        return out[0]
-    b = out.shape[1] // steps
-    block = out.reshape(streams, steps, b, *out.shape[2:]).swapaxes(0, 1)
-    return np.ascontiguousarray(block).reshape(streams * steps * b, *out.shape[2:])
+def _place(out: np.ndarray, k: int, begin: int, end: int, rows: np.ndarray) -> None:
+    """Rows [begin, end) of stream k in a chunk of steps (rows) into out (steps, streams, b, ...):
+    a partial step, whole steps, a partial step."""
+    b = out.shape[2]
+    done = 0
+    if begin % b:
+        take = min(b - begin % b, end - begin)
+        out[begin // b, k, begin % b : begin % b + take] = rows[:take]
+        begin, done = begin + take, take
+    whole = (end - begin) // b
+    if whole:
+        out[begin // b : begin // b + whole, k] = rows[done : done + whole * b].reshape(whole, b, *rows.shape[1:])
+        begin, done = begin + whole * b, done + whole * b
+    if begin < end:
+        out[begin // b, k, : end - begin] = rows[done:]
 
 
 def _stored_row_bytes(source: ParquetSource) -> int:
@@ -428,16 +458,16 @@ def _stored_row_bytes(source: ParquetSource) -> int:
     return max(1, stored // rows) if rows else 1
 
 
-def _array_for(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
+def _array_for(have: np.ndarray | None, values: np.ndarray, lead: tuple[int, ...], name: str) -> np.ndarray:
     """A chunk's array of a column that values fit in: made for them (first row group), the one it
     has (values cast to it on the way), or that one widened: files may store one column in
     different widths (int32 in one, int64 in another)."""
     if have is None:
-        return np.empty((*shape, *values.shape[1:]), dtype=values.dtype)
-    if have.shape[2:] != values.shape[1:]:
+        return np.empty((*lead, *values.shape[1:]), dtype=values.dtype)
+    if have.shape[len(lead) :] != values.shape[1:]:
         raise UserError(
             f"column {name!r} holds values of shape {values.shape[1:]} in one row group and "
-            f"{have.shape[2:]} in another: every row needs one shape"
+            f"{have.shape[len(lead) :]} in another: every row needs one shape"
         )
     if np.can_cast(values.dtype, have.dtype):
         return have
