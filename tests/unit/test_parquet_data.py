@@ -434,8 +434,9 @@ def test_arrow_columns_become_the_arrays_pyarrow_lists_them_as() -> None:
         expected = column.to_pylist()
         assert got.tolist() == (np.asarray(expected, got.dtype).tolist() if expected else []), name
         assert len(got) == len(column), name
-    with pytest.raises(UserError, match="lists of different lengths"):
-        arrow_to_numpy(pa.array([[1.0], [2.0, 3.0]]).slice(0, 2), "ragged")
+    for ragged in (pa.array([[1.0], [2.0, 3.0]]), pa.array([[0.0], [1.0], [2.0, 3.0]]).slice(1)):
+        with pytest.raises(UserError, match="lists of different lengths"):  # offsets from 0, and from 1
+            arrow_to_numpy(ragged, "ragged")
     with pytest.raises(UserError, match="is a list of string"):
         arrow_to_numpy(pa.array([["a"], ["b"]]), "words")
 
