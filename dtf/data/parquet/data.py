@@ -375,9 +375,9 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
 def _workers(workers_count: int | str, src: ParquetSource, columns: Sequence[str], row_reader: bool) -> int:
     """data.workers_count, auto resolved: 2 where a codec other than ScalarCodec decodes a column read
     (OpenCV and zlib release the GIL: a second worker adds decoding), else 1 (Arrow's reading is
-    cheap, and a second thread only takes the GIL from the training loop more often: with the
-    reader before e07caaf's successors, benchmarks/data.py gave 0.66 of the floor with 2 and 0.85
-    with 1 on scalar_field; docs/data.md has today's figures)."""
+    cheap, and a second thread only takes the GIL from the training loop more often: for the
+    reader of e07caaf, benchmarks/data.py gave 0.66 of the floor with 2 workers and 0.85
+    with 1 on scalar_field; docs/data.md has the current reader's figures)."""
     if workers_count != "auto":
         return int(workers_count)
     fields = src.unischema.fields if row_reader and src.unischema is not None else {}
