@@ -388,7 +388,7 @@ class Fetch(str, Enum):
 class BaseDataConfig:
     """What every kind of data has: which reader, and the batch sizes."""
 
-    # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
+    # What reads the data (dtf.data.loader.build_splits picks by it); set by the option, not by users.
     kind: str = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32

@@ -158,7 +158,7 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
         option = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / f"{name}.yaml")
         dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))
         memory_cfg = LoaderDataConfig(dataset=dataset, batch_size=32, shuffle=False, drop_last=True)
-        memory_batches = epoch(loader.build(memory_cfg, env(), seed=0)[0], 0)
+        memory_batches = epoch(loader.build_splits(memory_cfg, env(), seed=0).train, 0)
         assert len(parquet_batches) == len(memory_batches) > 0
         for (px, py), (mx, my) in zip(parquet_batches, memory_batches, strict=True):
             assert px.shape == mx.shape and px.dtype == mx.dtype and torch.equal(px, mx) and torch.equal(py, my)
