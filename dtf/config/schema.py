@@ -317,6 +317,12 @@ class EarlyStoppingConfig:
             self.min_delta,
             "use 0 or a positive improvement",
         )
+        require(
+            self.patience is not None or self.min_delta == 0,
+            "trainer.early_stopping.min_delta",
+            self.min_delta,
+            "it counts only with trainer.early_stopping.patience: set a patience, or leave min_delta at 0",
+        )
 
 
 @dataclass
