@@ -84,7 +84,8 @@ def evaluate(
     found = locate(target)
     frozen = freeze(config_of(found, list(overrides or []), config_dir))
     # The launcher's own files (logs, failures) go to a directory of this evaluation, not the run's.
-    eval_dir = make_dir(found.run_dir / "evaluations" / f"{found.checkpoint.name}-{time.strftime('%Y%m%d-%H%M%S')}", "")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    eval_dir = make_dir(found.run_dir / "evaluations" / f"{found.checkpoint.name}-{stamp}", "the run directory")
     request = EvalRequest(str(found.checkpoint), ("all",) if split == "all" else (split,))
     rank_fn = functools.update_wrapper(functools.partial(rank_main, evaluate=request), rank_main)
     result = launch_frozen(frozen, str(eval_dir), rank_fn)

@@ -317,6 +317,12 @@ class EarlyStoppingConfig:
             self.min_delta,
             "use 0 or a positive improvement",
         )
+        require(
+            self.patience is not None or self.min_delta == 0,
+            "trainer.early_stopping.min_delta",
+            self.min_delta,
+            "it counts only with trainer.early_stopping.patience: set a patience, or leave min_delta at 0",
+        )
 
 
 @dataclass
@@ -388,7 +394,7 @@ class Fetch(str, Enum):
 class BaseDataConfig:
     """What every kind of data has: which reader, and the batch sizes."""
 
-    # What reads the data (dtf.data.loader.build picks by it); set by the option, not by users.
+    # What reads the data (dtf.data.loader.build_splits picks by it); set by the option, not by users.
     kind: str = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32

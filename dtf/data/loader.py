@@ -16,7 +16,7 @@ from dtf import signals
 from dtf.config.schema import LoaderDataConfig, ParquetDataConfig
 from dtf.config.typed import DataConfig
 from dtf.data.fetch import fetching
-from dtf.data.interface import DataSplits, EvalData, TrainData
+from dtf.data.interface import DataSplits, TrainData
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
@@ -199,14 +199,6 @@ def build_splits(cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: 
     train, test = from_datasets(built.train, built.test, cfg, env, seed)
     val = eval_data(built.val, cfg, env, seed) if built.val is not None else None
     return DataSplits(train, val, test)
-
-
-def build(
-    cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None
-) -> tuple[TrainData, EvalData | None]:
-    """(training batches, test batches): build_splits without the validation split."""
-    splits = build_splits(cfg, env, seed, recorded_partitions)
-    return splits.train, splits.test
 
 
 def from_datasets(

@@ -194,6 +194,13 @@ def setup_data(run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int |
     splits = loader.build_splits(run.data, env, seed=run.trainer.seed, recorded_partitions=recorded_partitions)
     splits = debug.limited(splits, run.trainer)
     objective_name(run, splits)
+    t = run.trainer
+    if splits.val is None and splits.test is None and (t.eval_every_n_steps is not None or t.eval_every_n_epochs < 1):
+        key = "eval_every_n_steps" if t.eval_every_n_steps is not None else "eval_every_n_epochs"
+        raise UserError(
+            f"trainer.{key}={getattr(t, key)}: this data has no validation or test split to evaluate: give it one "
+            "(data.val_fraction, a test split), or leave the key at its default"
+        )
     return splits
 
 

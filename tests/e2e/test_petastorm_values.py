@@ -44,7 +44,9 @@ def dtf_reads(path: Path, decoded: bool, fields: list[str] | None = None) -> dic
     names = fields or list(source.column_types)
     unischema = source.unischema.fields if decoded and source.unischema is not None else {}
     reader = RowGroupReader(source, tuple(names), {n: unischema[n] for n in names if n in unischema})
-    parts = [reader(piece) for piece in range(len(source.pieces)) if source.piece_rows[piece]]
+    pieces = [piece for piece in range(len(source.pieces)) if source.piece_rows[piece]]
+    read = reader(pieces)
+    parts = [read[piece] for piece in pieces]
     return {name: _concatenate([p[name] for p in parts]) for name in names}
 
 

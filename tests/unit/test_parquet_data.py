@@ -158,7 +158,7 @@ def test_the_parquet_copy_of_a_builtin_data_set_gives_the_in_memory_batches(tmp_
         option = OmegaConf.load(Path(__file__).parents[2] / "conf" / "data" / f"{name}.yaml")
         dataset = OmegaConf.merge(option.dataset, OmegaConf.from_dotlist(overrides))
         memory_cfg = LoaderDataConfig(dataset=dataset, batch_size=32, shuffle=False, drop_last=True)
-        memory_batches = epoch(loader.build(memory_cfg, env(), seed=0)[0], 0)
+        memory_batches = epoch(loader.build_splits(memory_cfg, env(), seed=0).train, 0)
         assert len(parquet_batches) == len(memory_batches) > 0
         for (px, py), (mx, my) in zip(parquet_batches, memory_batches, strict=True):
             assert px.shape == mx.shape and px.dtype == mx.dtype and torch.equal(px, mx) and torch.equal(py, my)
@@ -357,6 +357,31 @@ def test_the_next_epoch_read_ahead_gives_the_same_batches_and_is_let_go_when_not
         assert _worker_pids() <= before
 
 
+def test_reading_ahead_reads_every_row_group_an_epoch_needs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next epoch's reading starts once this one's row groups all arrived: the steps still to
+    come use them as they are, they are not read again."""
+    monkeypatch.setattr(reader, "CHUNK_STEPS", 4)  # several chunks after the last row group arrives
+    path = write_row_groups(tmp_path / "many", [[97, 64, 130, 5], [50] * 8, [211, 3, 88], [40] * 5])
+    reads: list[int] = []
+    read = reader.RowGroupReader.__call__
+
+    def counted(self: Any, pieces: list[int], *args: Any) -> Any:
+        reads.extend(pieces)
+        return read(self, pieces, *args)
+
+    monkeypatch.setattr(reader.RowGroupReader, "__call__", counted)
+    data, _ = parquet.build(config(path, batch_size=8, workers_count=2), env(0, 2), seed=3)
+    needed = []
+    for number in range(3):
+        data.set_epoch(number, read_ahead=number < 2)
+        list(data)
+        plan = data.partitions(number)
+        needed += {s.piece for c in plan.owned(2, 0) for s in plan.rows(c)}
+    assert sorted(reads) == sorted(needed)
+
+
 @pytest.mark.parametrize("stop", [False, True])
 def test_the_trainer_reads_ahead_only_an_epoch_it_will_train_and_lets_go_of_it_when_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: bool
@@ -409,8 +434,9 @@ def test_arrow_columns_become_the_arrays_pyarrow_lists_them_as() -> None:
         expected = column.to_pylist()
         assert got.tolist() == (np.asarray(expected, got.dtype).tolist() if expected else []), name
         assert len(got) == len(column), name
-    with pytest.raises(UserError, match="lists of different lengths"):
-        arrow_to_numpy(pa.array([[1.0], [2.0, 3.0]]).slice(0, 2), "ragged")
+    for ragged in (pa.array([[1.0], [2.0, 3.0]]), pa.array([[0.0], [1.0], [2.0, 3.0]]).slice(1)):
+        with pytest.raises(UserError, match="lists of different lengths"):  # offsets from 0, and from 1
+            arrow_to_numpy(ragged, "ragged")
     with pytest.raises(UserError, match="is a list of string"):
         arrow_to_numpy(pa.array([["a"], ["b"]]), "words")
 

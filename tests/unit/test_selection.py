@@ -178,3 +178,25 @@ def test_dtf_eval_of_the_best_checkpoint_gives_its_reported_objective(chosen: Ch
 def test_evaluations_every_n_steps_also_land_on_epoch_ends_that_do_not_evaluate(tmp_path: Path) -> None:
     s = _run(tmp_path, "run", "trainer.max_epochs=3", "trainer.eval_every_n_steps=25", "trainer.eval_every_n_epochs=2")
     assert [e["step"] for e in s["evaluations"]] == [25, 50, 75, 100, 125, 150]
+
+
+def test_selection_settings_that_would_do_nothing_are_refused(tmp_path: Path) -> None:
+    from dtf.cli import freeze
+
+    with pytest.raises(UserError, match=r"^trainer\.early_stopping\.min_delta=0\.1 is invalid: .*patience"):
+        freeze(compose_config(["trainer.early_stopping.min_delta=0.1"]))
+    no_eval = [
+        "data.dataset._target_=tests.unit.test_selection.train_only",
+        *(f"~data.dataset.{k}" for k in ("num_points", "num_test", "low", "high", "seed")),
+        "trainer.max_steps=2",
+    ]
+    for override in ("trainer.eval_every_n_steps=5", "trainer.eval_every_n_epochs=0.5"):
+        with pytest.raises(UserError, match=r"^trainer\.eval_every_n_.* this data has no validation or test split"):
+            train_in_process([*no_eval, override], tmp_path / override)
+
+
+def train_only() -> Any:
+    """A data.dataset builder that gives a training set alone (no validation, no test split)."""
+    from dtf.data.datasets import scalar_field
+
+    return scalar_field(num_points=1200, num_test=200)[0]

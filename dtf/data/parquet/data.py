@@ -138,18 +138,25 @@ class _Stream:
             x, y = x.to(dtype), (y.to(dtype) if y.is_floating_point() else y)
         return self.transform((x, y)) if self.transform is not None else (x, y)
 
-    def start_reading(self, streams: Sequence[Stream], bounds: Sequence[int]) -> StepReading:
+    def start_reading(self, streams: Sequence[Stream], bounds: Sequence[int] | np.ndarray) -> StepReading:
         """The reading of these steps, its workers started (they read ahead from now on)."""
         return StepReading(self.source, streams, bounds, self.layout.columns, self.reader)
 
-    def steps(self, reading: StepReading) -> Iterator[Batch]:
+    def steps(self, reading: StepReading, gathered: Callable[[], None] | None = None) -> Iterator[Batch]:
         """A reading's batches: each step's rows of every partition, concatenated in partition order
-        (features and labels made a chunk of steps at a time, each batch a slice of them)."""
-        for chunk, spans in reading.chunks():
+        (features and labels made a chunk of steps at a time, each batch a slice of them).
+        gathered: called after each chunk of steps is gathered, before its batches are handed out."""
+        for chunk, sizes in reading.chunks():
+            if gathered is not None:
+                gathered()
             x, y = self.layout.arrays(chunk)
             features, labels = torch.from_numpy(x), torch.from_numpy(y)
-            for span in spans:
-                yield self._finish(features[span], labels[span])
+            batches = zip(features.split(sizes), labels.split(sizes), strict=True)  # views, made in one call each
+            if self.transform is None and features.dtype == self.layout.feature_dtype:
+                yield from batches  # nothing to finish: a call per batch would be most of the cost
+            else:
+                for x_, y_ in batches:
+                    yield self._finish(x_, y_)
 
 
 @dataclass
@@ -259,7 +266,7 @@ class ParquetTrainData:
     def _start_reading(self, epoch: int, start_batch: int) -> StepReading:
         streams = self.streams(epoch, start_batch)
         steps = len(streams[0]) // self.rows_per_step
-        return self.stream.start_reading(streams, [t * self.rows_per_step for t in range(steps + 1)])
+        return self.stream.start_reading(streams, np.arange(steps + 1) * self.rows_per_step)
 
     def __iter__(self) -> Iterator[Batch]:
         return self._batches(self.epoch, self.start_batch, self.read_ahead)
@@ -268,14 +275,16 @@ class ParquetTrainData:
         # A generator: the reading starts when the first batch is asked for, and stops when the
         # epoch is left, finished or not.
         reading = self._claim_ahead((epoch, start_batch)) or self._start_reading(epoch, start_batch)
+
+        def start_next() -> None:
+            # Before a chunk's batches: after an epoch's last batch the trainer asks for no more.
+            # One pool at a time: this epoch's has nothing left to read (its steps use what arrived).
+            if read_ahead and reading.all_arrived and self._ahead is None:
+                reading.stop_workers()
+                self._ahead = (epoch + 1, 0), self._start_reading(epoch + 1, 0)
+
         try:
-            for batch in self.stream.steps(reading):
-                # Before the yield: after an epoch's last batch the trainer asks for no more. One
-                # reader at a time: this epoch's has nothing left to read.
-                if read_ahead and reading.all_arrived and self._ahead is None:
-                    reading.close()
-                    self._ahead = (epoch + 1, 0), self._start_reading(epoch + 1, 0)
-                yield batch
+            yield from self.stream.steps(reading, start_next)
         finally:
             reading.close()
 
@@ -366,8 +375,9 @@ def _check_same_everywhere(fingerprint: str, env: DistEnv) -> None:
 def _workers(workers_count: int | str, src: ParquetSource, columns: Sequence[str], row_reader: bool) -> int:
     """data.workers_count, auto resolved: 2 where a codec other than ScalarCodec decodes a column read
     (OpenCV and zlib release the GIL: a second worker adds decoding), else 1 (Arrow's reading is
-    cheap, and a second thread only takes the GIL from the training loop more often; measured with
-    benchmarks/data.py: 0.66 of the floor with 2, 0.85 with 1, on scalar_field)."""
+    cheap, and a second thread only takes the GIL from the training loop more often: for the
+    reader of e07caaf, benchmarks/data.py gave 0.66 of the floor with 2 workers and 0.85
+    with 1 on scalar_field; docs/data.md has the current reader's figures)."""
     if workers_count != "auto":
         return int(workers_count)
     fields = src.unischema.fields if row_reader and src.unischema is not None else {}

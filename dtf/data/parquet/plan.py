@@ -37,25 +37,77 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Stream:
-    """Rows in the order they are used, as arrays: the row group of each (pieces) and its index in it (rows)."""
+class Span:
+    """Positions [start, stop) of one row group's rows in their epoch order (a RowOrder): a
+    Segment whose rows are not computed (the reader's workers permute the row groups they read)."""
 
-    pieces: np.ndarray
-    rows: np.ndarray
+    piece: int
+    start: int
+    stop: int
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """The order of every row group's rows in one epoch: seeded per row group, or as stored."""
+
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = False
+
+    def of(self, piece: int, num_rows: int) -> np.ndarray:
+        return rows_of_piece(num_rows, piece, self.seed, self.epoch, self.shuffle)
+
+
+STORED = RowOrder()
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Rows in the order they are used, as arrays: the row group of each (pieces) and its position
+    in that row group's epoch order (positions; its index in the row group: rows)."""
+
+    pieces: np.ndarray
+    positions: np.ndarray
+    order: RowOrder = STORED
+    piece_rows: Sequence[int] = ()  # row-group sizes, for rows (needed where order shuffles)
+
+    def __len__(self) -> int:
+        return len(self.positions)
 
     def __getitem__(self, span: slice) -> Stream:
-        return Stream(self.pieces[span], self.rows[span])
+        return Stream(self.pieces[span], self.positions[span], self.order, self.piece_rows)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Each row's index in its row group (computes the permutations: the reader does not need them)."""
+        if not self.order.shuffle:
+            return self.positions
+        out = np.empty_like(self.positions)
+        for piece in np.unique(self.pieces).tolist():
+            at = self.pieces == piece
+            out[at] = self.order.of(piece, int(self.piece_rows[piece]))[self.positions[at]]
+        return out
 
 
 def stream_of(segments: Sequence[Segment]) -> Stream:
-    """The rows of segments, one after the other."""
+    """The rows of segments, one after the other (as stored: positions are the rows)."""
     if not segments:
         return Stream(np.empty(0, np.int64), np.empty(0, np.int64))
     pieces = np.repeat(np.asarray([s.piece for s in segments], np.int64), [len(s) for s in segments])
     return Stream(pieces, np.concatenate([s.rows for s in segments]).astype(np.int64, copy=False))
+
+
+def stream_of_spans(spans: Sequence[Span], order: RowOrder, piece_rows: Sequence[int]) -> Stream:
+    """The rows of spans, one after the other, in their row groups' order."""
+    lengths = np.asarray([len(s) for s in spans], np.int64)
+    pieces = np.repeat(np.asarray([s.piece for s in spans], np.int64), lengths)
+    # position i of the stream is span k's start + (i - the stream position span k begins at)
+    offsets = np.asarray([s.start for s in spans], np.int64) - (np.cumsum(lengths) - lengths)
+    positions = np.arange(len(pieces), dtype=np.int64) + np.repeat(offsets, lengths)
+    return Stream(pieces, positions, order, piece_rows)
 
 
 def batches_per_rank(num_rows: int, world_size: int, batch_size: int, pad: bool) -> int:
@@ -98,16 +150,20 @@ class EpochOrder:
     def num_rows(self) -> int:
         return int(sum(self.piece_rows))
 
-    def segments(self, start: int, stop: int) -> list[Segment]:
-        """The rows at global positions [start, stop) of the sequence, one segment per row group.
+    @property
+    def row_order(self) -> RowOrder:
+        return RowOrder(self.seed, self.epoch, self.shuffle_rows)
 
-        Row groups without rows (an empty file is one) hold no position and get no segment:
+    def spans(self, start: int, stop: int) -> list[Span]:
+        """The rows at global positions [start, stop) of the sequence, one span per row group.
+
+        Row groups without rows (an empty file is one) hold no position and get no span:
         Petastorm's workers publish nothing for them, so a reader waiting for one would wait in vain.
         """
         order = piece_order(len(self.piece_rows), self.seed, self.epoch, self.shuffle_row_groups)
         sizes = np.asarray(self.piece_rows, dtype=np.int64)[order]
         ends = np.cumsum(sizes)
-        out: list[Segment] = []
+        out: list[Span] = []
         k = int(np.searchsorted(ends, start, side="right"))  # the first row group that holds position start
         while start < stop and k < len(order):
             if sizes[k] == 0:
@@ -115,12 +171,19 @@ class EpochOrder:
                 continue
             begin = int(ends[k] - sizes[k])
             lo, hi = start - begin, min(stop, int(ends[k])) - begin
-            piece = int(order[k])
-            perm = rows_of_piece(int(sizes[k]), piece, self.seed, self.epoch, self.shuffle_rows)
-            out.append(Segment(piece, perm[lo:hi]))
+            out.append(Span(int(order[k]), lo, hi))
             start = begin + hi
             k += 1
         return out
+
+    def segment(self, span: Span) -> Segment:
+        """A span's rows: their indices in the row group."""
+        perm = self.row_order.of(span.piece, int(self.piece_rows[span.piece]))
+        return Segment(span.piece, perm[span.start : span.stop])
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        """The rows at global positions [start, stop) of the sequence, one segment per row group (see spans)."""
+        return [self.segment(s) for s in self.spans(start, stop)]
 
 
 def share_bounds(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -128,18 +191,23 @@ def share_bounds(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
 
 
-def train_share(order: EpochOrder, world_size: int, rank: int, batch_size: int, pad: bool) -> list[Segment]:
+def train_spans(order: EpochOrder, world_size: int, rank: int, batch_size: int, pad: bool) -> list[Span]:
     """This rank's rows of the epoch: exactly batches_per_rank(...) * batch_size of them."""
     num_rows = order.num_rows
     target = batches_per_rank(num_rows, world_size, batch_size, pad) * batch_size
     start, stop = share_bounds(num_rows, world_size, rank)
     if target <= stop - start:
-        return order.segments(start, start + target)
+        return order.spans(start, start + target)
     # Padding repeats the share's own first rows; with at least one batch per rank a share
     # holds at least batch_size rows and the padding is at most one batch, so it suffices.
     missing = target - (stop - start)
     assert missing <= stop - start, "padding needs at least world_size * batch_size rows"
-    return order.segments(start, stop) + order.segments(start, start + missing)
+    return order.spans(start, stop) + order.spans(start, start + missing)
+
+
+def train_share(order: EpochOrder, world_size: int, rank: int, batch_size: int, pad: bool) -> list[Segment]:
+    """train_spans' rows, as segments."""
+    return [order.segment(s) for s in train_spans(order, world_size, rank, batch_size, pad)]
 
 
 # auto partitions: a divisor of the global batch that every world size dividing 24 (1, 2, 3, 4,
@@ -217,6 +285,10 @@ class Partitions:
         rows) to rows_per_partition."""
         return train_share(self.order, self.num_partitions, partition, self.rows_per_step, self.pad)
 
+    def spans(self, partition: int) -> list[Span]:
+        """rows(partition), as spans."""
+        return train_spans(self.order, self.num_partitions, partition, self.rows_per_step, self.pad)
+
     def owned(self, world_size: int, rank: int) -> range:
         per_rank = self.num_partitions // world_size
         return range(rank * per_rank, (rank + 1) * per_rank)
@@ -226,7 +298,8 @@ class Partitions:
         [t b, (t + 1) b) of each: the rows the reader reads, as arrays."""
         steps = max(0, self.rows_per_partition - start_row) // self.rows_per_step
         stop = start_row + steps * self.rows_per_step
-        return [stream_of(self.rows(c))[start_row:stop] for c in self.owned(world_size, rank)]
+        order, sizes = self.order.row_order, self.order.piece_rows
+        return [stream_of_spans(self.spans(c), order, sizes)[start_row:stop] for c in self.owned(world_size, rank)]
 
 
 def eval_share(piece_rows: Sequence[int], world_size: int, rank: int) -> tuple[list[Segment], int]:

@@ -12,7 +12,9 @@ number of partitions a step takes its rows from.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import multiprocessing
 import sys
 import threading
@@ -26,16 +28,17 @@ from typing import Any
 import numpy as np
 
 from dtf.data.parquet.petastorm_format import PetastormField, decode
-from dtf.data.parquet.plan import Stream
+from dtf.data.parquet.plan import STORED, RowOrder, Stream
 from dtf.data.parquet.source import IMAGE_FIX, ParquetSource, filesystem, first_line, is_vector, list_dataset
 from dtf.errors import UserError
 from dtf.signals import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
 
-# A chunk of steps: enough steps that its work (a sort, a copy per row group and column) is small
-# per step, and at most a few MB (decoded), so that a chunk of images stays small.
-CHUNK_STEPS = 64
+# A chunk of steps: enough steps that its work (a copy per run of rows and column, the
+# interleaving of the partitions) is small per step, and at most a few MB (decoded), so that a
+# chunk of images stays small.
+CHUNK_STEPS = 256
 CHUNK_BYTES = 4 << 20
 
 
@@ -64,33 +67,60 @@ class ReaderOptions:
     results_queue_size: int = 8
 
 
+Pieces = dict[int, Columns]  # row groups' columns, by piece
+
+
 @dataclass(frozen=True)
 class RowGroupReader:
-    """Reads one row group's columns as numpy arrays (what a worker runs; picklable for processes)."""
+    """Reads row groups' columns as numpy arrays (what a worker runs; picklable for processes)."""
 
     source: ParquetSource
     columns: tuple[str, ...]
     fields: Mapping[str, PetastormField]  # the columns decoded by their Petastorm codec
 
-    def __call__(self, piece: int) -> Columns:
+    def __call__(self, pieces: Sequence[int], order: RowOrder = STORED) -> Pieces:
+        """These row groups' columns, the rows of each in their epoch order (order).
+
+        A step at a time for all of them (read each, then permute and convert each): a loop that
+        alternates Arrow's reading and numpy's work per row group took about 1.5 times as long
+        here, each evicting the other's code and data from the CPU's caches. Permuted here rather
+        than where the steps are gathered: a worker seeds and shuffles, and the consumer copies
+        contiguous rows."""
+        tables = {piece: self._read(piece) for piece in pieces}
+        return {piece: self._columns(piece, table, order) for piece, table in tables.items()}
+
+    def _read(self, piece: int) -> Any:
         path, row_group = self.source.pieces[piece]
         partition = self.source.partition_values.get(path, {})
         stored = [c for c in self.columns if c not in partition]
-        column: str | None = None
         try:
             # One thread's reads are sequential: Arrow parallelism inside them would only compete with the others'.
             table = _open(self.source, path).read_row_group(row_group, columns=stored, use_threads=False)
-            start, rows = self.source.start_of(piece), self.source.piece_rows[piece]
-            if start or rows != table.num_rows:  # part of the row group (a split held out for validation)
-                table = table.slice(start, rows)
-            out: Columns = {}
+        except UserError:
+            raise
+        except Exception as e:
+            raise WorkerReadError(describe_read_error(e, path, row_group, None)) from None
+        start, rows = self.source.start_of(piece), self.source.piece_rows[piece]
+        if start or rows != table.num_rows:  # part of the row group (a split held out for validation)
+            table = table.slice(start, rows)
+        return table
+
+    def _columns(self, piece: int, table: Any, order: RowOrder) -> Columns:
+        path, row_group = self.source.pieces[piece]
+        partition = self.source.partition_values.get(path, {})
+        perm = order.of(piece, table.num_rows) if order.shuffle else None
+        out: Columns = {}
+        column: str | None = None
+        try:
             for column in self.columns:
                 if column in partition:
                     out[column] = np.full(table.num_rows, partition[column])
-                elif column in self.fields:
-                    out[column] = decode(self.fields[column], table.column(column))
+                    continue
+                if column in self.fields:
+                    values = decode(self.fields[column], table.column(column))
                 else:
-                    out[column] = arrow_to_numpy(table.column(column), column)
+                    values = arrow_to_numpy(table.column(column), column)
+                out[column] = values if perm is None else values.take(perm, axis=0)
             return out
         except UserError:
             raise
@@ -131,9 +161,9 @@ def _start_process_worker(reader: RowGroupReader) -> None:
     _PROCESS_READER = reader
 
 
-def _read_in_process(piece: int) -> Columns:
+def _read_in_process(pieces: Sequence[int], order: RowOrder) -> Pieces:
     assert _PROCESS_READER is not None
-    return _PROCESS_READER(piece)
+    return _PROCESS_READER(pieces, order)
 
 
 def _make_pool(opts: ReaderOptions, reader: RowGroupReader) -> Executor | None:
@@ -175,16 +205,20 @@ def _stop_pool(pool: Executor) -> None:
 
 @dataclass(frozen=True)
 class _Runs:
-    """A stream's rows grouped by row group: run j is rows [starts[j], starts[j + 1]) from pieces[j]."""
+    """A stream's rows as runs of consecutive rows of one row group (in its epoch order): run j is
+    the stream's rows [starts[j], starts[j + 1]), positions firsts[j], firsts[j] + 1, ... of pieces[j].
+    Lists: the consumer reads them an item at a time."""
 
-    starts: np.ndarray
-    pieces: np.ndarray
+    starts: list[int]
+    pieces: list[int]
+    firsts: list[int]
 
     @staticmethod
     def of(stream: Stream) -> _Runs:
-        cuts = np.flatnonzero(stream.pieces[1:] != stream.pieces[:-1]) + 1
+        pieces, positions = stream.pieces, stream.positions
+        cuts = np.flatnonzero((pieces[1:] != pieces[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
         starts = np.concatenate([[0], cuts, [len(stream)]]).astype(np.int64) if len(stream) else np.zeros(1, np.int64)
-        return _Runs(starts, stream.pieces[starts[:-1]])
+        return _Runs(starts.tolist(), pieces[starts[:-1]].tolist(), positions[starts[:-1]].tolist())
 
 
 class StepReading:
@@ -202,7 +236,7 @@ class StepReading:
         self,
         source: ParquetSource,
         streams: Sequence[Stream],
-        bounds: Sequence[int],
+        bounds: Sequence[int] | np.ndarray,
         columns: Sequence[str],
         opts: ReaderOptions,
     ) -> None:
@@ -212,6 +246,9 @@ class StepReading:
         self.steps = len(self.bounds) - 1
         used = int(self.bounds[-1])
         self.streams = [s[:used] for s in streams] if self.steps else []
+        orders = {s.order for s in self.streams}
+        assert len(orders) <= 1, "the streams of a reading are of one epoch"
+        self.row_order = orders.pop() if orders else STORED
         widths = np.diff(self.bounds)
         assert len(self.streams) <= 1 or np.all(widths == widths[0]), "partitions take equal rows every step"
         self.runs = [_Runs.of(s) for s in self.streams]
@@ -219,17 +256,25 @@ class StepReading:
         first: dict[int, tuple[int, int]] = {}
         self.last_step: dict[int, int] = {}
         for k, runs in enumerate(self.runs):
-            begins = np.searchsorted(self.bounds, runs.starts[:-1], side="right") - 1
-            ends = np.searchsorted(self.bounds, runs.starts[1:] - 1, side="right") - 1
-            for piece, begin, end in zip(runs.pieces.tolist(), begins.tolist(), ends.tolist(), strict=True):
+            starts = np.asarray(runs.starts, dtype=np.int64)
+            begins = np.searchsorted(self.bounds, starts[:-1], side="right") - 1
+            ends = np.searchsorted(self.bounds, starts[1:] - 1, side="right") - 1
+            for piece, begin, end in zip(runs.pieces, begins.tolist(), ends.tolist(), strict=True):
                 first[piece] = min(first.get(piece, (begin, k)), (begin, k))
                 self.last_step[piece] = max(self.last_step.get(piece, end), end)
         self.order = sorted(first, key=first.__getitem__)
         self.position = {piece: i for i, piece in enumerate(self.order)}
         self.row_bytes = _stored_row_bytes(source)  # until a row group arrives and says it decoded
+        # Row groups are read a task of a few at a time (see RowGroupReader): each worker's share
+        # of the read-ahead, a few MB at most; one at a time by processes, whose work is decoding.
+        self.ahead = max(opts.results_queue_size, opts.workers_count)
+        piece_bytes = self.row_bytes * max(1, source.num_rows // max(1, len(source.pieces)))
+        size = 1 if opts.pool_type == "process" else min(self.ahead // opts.workers_count, CHUNK_BYTES // piece_bytes)
+        self.task_size = max(1, size)
+        self.tasks = [self.order[i : i + self.task_size] for i in range(0, len(self.order), self.task_size)]
         self.arrived: dict[int, Columns] = {}  # row groups at the consumer, until the chunk that needs them last
-        self.futures: dict[int, Future[Columns]] = {}
-        self.next_submit = 0  # the index in self.order of the next row group to hand a worker
+        self.futures: dict[int, Future[Pieces]] = {}  # by task
+        self.next_submit = 0  # the next task to hand a worker
         self.received = 0
         fields = source.unischema.fields if opts.row_reader and source.unischema is not None else {}
         self.reader = RowGroupReader(source, self.columns, {c: fields[c] for c in self.columns if c in fields})
@@ -250,69 +295,83 @@ class StepReading:
         return self.received == len(self.order)
 
     def _submit(self, upto: int) -> None:
-        """Hand workers the row groups up to order[upto], and as many beyond as may be read ahead."""
-        ahead = max(self.opts.results_queue_size, self.opts.workers_count)
-        limit = min(len(self.order), max(upto + 1, self.received + ahead))
+        """Hand workers the tasks up to the one of order[upto], and as many beyond as may be read ahead."""
+        limit = min(len(self.order), max(upto + 1, self.received + self.ahead))
         pool = self.pool
         assert pool is not None
         processes = self.opts.pool_type == "process"
         with _main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
-            while self.next_submit < limit:
-                piece = self.order[self.next_submit]
-                self.futures[piece] = pool.submit(_read_in_process if processes else self.reader, piece)
+            while self.next_submit * self.task_size < limit:
+                read = _read_in_process if processes else self.reader
+                self.futures[self.next_submit] = pool.submit(read, self.tasks[self.next_submit], self.row_order)
                 self.next_submit += 1
 
     def _receive(self, piece: int) -> Columns:
         if piece in self.arrived:
             return self.arrived[piece]
+        task = self.position[piece] // self.task_size
         if self.pool is None:
-            columns = self._result(piece, None)
-        else:
-            self._submit(upto=self.position[piece])
-            columns = self._result(piece, self.futures.pop(piece))
-        self.arrived[piece] = columns
-        self.received += 1
-        rows = len(next(iter(columns.values()))) if columns else 0
-        if rows:
-            self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
-        return columns
+            self._arrive(self._result(task, None))
+            return self.arrived[piece]
+        self._submit(upto=self.position[piece])
+        future = self.futures.pop(task)
+        # The consumer reads a task no worker thread has started rather than wait idle: the one it
+        # needs, or while a worker reads that one, the next ones. (A thread that needs the GIL back
+        # between Arrow's calls gets it only every few ms while the consumer runs Python, and
+        # Arrow's decoding and numpy's copies release it: two readers where rows are wide.)
+        if self.opts.pool_type == "thread":
+            if future.cancel():
+                self._arrive(self._result(task, None))
+                return self.arrived[piece]
+            while not future.done() and (later := self._unstarted()) is not None:
+                self._arrive(self._result(later, None))
+        self._arrive(self._result(task, future))
+        return self.arrived[piece]
 
-    def _result(self, piece: int, future: Future[Columns] | None) -> Columns:
+    def _unstarted(self) -> int | None:
+        """The first task handed to the workers that none has started, taken back (None: none is left)."""
+        for task, future in self.futures.items():
+            if future.cancel():
+                del self.futures[task]
+                return task
+        return None
+
+    def _arrive(self, pieces: Pieces) -> None:
+        self.arrived.update(pieces)
+        self.received += len(pieces)
+        for columns in pieces.values():
+            rows = len(next(iter(columns.values()))) if columns else 0
+            if rows:
+                self.row_bytes = max(1, sum(v.nbytes for v in columns.values()) // rows)
+
+    def _result(self, task: int, future: Future[Pieces] | None) -> Pieces:
         try:
-            return self.reader(piece) if future is None else future.result()
+            return self.reader(self.tasks[task], self.row_order) if future is None else future.result()
         except WorkerReadError as e:
             raise UserError(f"{self.source.key}={self.source.url}: {e}") from None
         except UserError:
             raise
         except Exception as e:  # the pool itself failed (a worker process died)
-            path, row_group = self.source.pieces[piece]
+            path, row_group = self.source.pieces[self.tasks[task][0]]
             raise UserError(
                 f"{self.source.key}={self.source.url}: reading {path} (row group {row_group}) failed ({first_line(e)})"
             ) from None
 
-    def chunks(self) -> Iterator[tuple[Columns, list[slice]]]:
-        """The steps a chunk at a time: the chunk's rows, one array per column, and each step's rows in it."""
+    def chunks(self) -> Iterator[tuple[Columns, list[int]]]:
+        """The steps a chunk at a time: the chunk's rows, one array per column, and the number of
+        rows of each step (the chunk's first rows are the first step's, and so on)."""
         first, n = 0, len(self.streams)
         try:
             while first < self.steps:
                 last = min(self.steps, first + self._chunk_steps(first))
                 chunk = self._gather(first, last)
-                lo = int(self.bounds[first]) * n
-                spans = [
-                    slice(int(self.bounds[t]) * n - lo, int(self.bounds[t + 1]) * n - lo) for t in range(first, last)
-                ]
+                sizes = (np.diff(self.bounds[first : last + 1]) * n).tolist()
                 for piece in [p for p in self.arrived if self.last_step[p] < last]:
                     del self.arrived[piece]
-                yield chunk, spans
+                yield chunk, sizes
                 first = last
         finally:
             self.close()
-
-    def __iter__(self) -> Iterator[Columns]:
-        """Each step's rows, one array per column (views of its chunk's)."""
-        for chunk, spans in self.chunks():
-            for span in spans:
-                yield {name: values[span] for name, values in chunk.items()}
 
     def _chunk_steps(self, step: int) -> int:
         rows = max(1, int(self.bounds[step + 1] - self.bounds[step]) * len(self.streams))
@@ -320,31 +379,43 @@ class StepReading:
 
     def _gather(self, first: int, last: int) -> Columns:
         """The rows of steps [first, last), one array per column, in step order: each stream's rows
-        are copied out of their row groups a run at a time, then the streams are interleaved step by
-        step (one more copy, where there are several)."""
+        are copied out of their row groups a run at a time, straight to their places (several
+        streams: as an array (steps, streams, rows per step, ...), step t's rows of every stream
+        side by side)."""
         lo, hi = int(self.bounds[first]), int(self.bounds[last])
-        per_stream: dict[str, np.ndarray] = {}
-        for k, (stream, runs) in enumerate(zip(self.streams, self.runs, strict=True)):
-            j = int(np.searchsorted(runs.starts, lo, side="right")) - 1
+        n = len(self.runs)
+        b = (hi - lo) // (last - first)  # several streams: every step takes b rows of each
+        lead = (hi - lo,) if n == 1 else (last - first, n, b)
+        chunk: dict[str, np.ndarray] = {}
+        for k, runs in enumerate(self.runs):
+            j = bisect.bisect_right(runs.starts, lo) - 1
             at = lo
             while at < hi:
-                end = min(hi, int(runs.starts[j + 1]))
-                values = self._receive(int(runs.pieces[j]))
-                rows = stream.rows[at:end]
-                whole = len(self.streams) == 1 and at == lo and end == hi and _is_range(rows)
-                for name, column in values.items():
-                    if whole:  # the chunk is one run of stored rows: a view, no copy
-                        per_stream[name] = column[int(rows[0]) : int(rows[0]) + len(rows)][None]
-                        continue
-                    out = per_stream.get(name)
-                    if out is None or out.shape[2:] != column.shape[1:] or not np.can_cast(column.dtype, out.dtype):
-                        out = per_stream[name] = _widen(out, column, (len(self.streams), hi - lo), name)
-                    if out.dtype == column.dtype:  # take into place: a third of a fancy index's time
-                        column.take(rows, axis=0, out=out[k, at - lo : end - lo], mode="clip")
-                    else:
-                        out[k, at - lo : end - lo] = column[rows]
+                end = min(hi, runs.starts[j + 1])
+                values = self._receive(runs.pieces[j])
+                offset = runs.firsts[j] + at - runs.starts[j]
+                rows = slice(offset, offset + end - at)
+                if n == 1 and at == lo and end == hi:  # the chunk is one run: a view, no copy
+                    chunk.update((name, column[rows]) for name, column in values.items())
+                else:
+                    for name, column in values.items():
+                        out = chunk.get(name)
+                        if out is None or out.dtype != column.dtype or out.shape[len(lead) :] != column.shape[1:]:
+                            out = chunk[name] = _array_for(out, column, lead, name)
+                        if n == 1:
+                            out[at - lo : end - lo] = column[rows]
+                        else:
+                            _place(out, k, at - lo, end - lo, column[rows])
                 at, j = end, j + 1
-        return {name: _interleave(out, last - first) for name, out in per_stream.items()}
+        return {name: out.reshape(n * (hi - lo), *out.shape[len(lead) :]) for name, out in chunk.items()}
+
+    def stop_workers(self) -> None:
+        """Stop the workers (those of a process pool end) once every row group has arrived: the
+        steps still to come are made from what arrived."""
+        assert self.all_arrived, "a reading needs its workers until every row group has arrived"
+        if self.pool is not None:
+            self.pool = None
+            self._stop()
 
     def close(self) -> None:
         """Stop the workers (those of a process pool end); the reading cannot be iterated after."""
@@ -361,14 +432,21 @@ class StepReading:
         return self._closed
 
 
-def _interleave(out: np.ndarray, steps: int) -> np.ndarray:
-    """(streams, steps x b, ...) -> the rows of step 0 of every stream, then step 1's, ... (one copy)."""
-    streams = out.shape[0]
-    if streams == 1:
-        return out[0]
-    b = out.shape[1] // steps
-    block = out.reshape(streams, steps, b, *out.shape[2:]).swapaxes(0, 1)
-    return np.ascontiguousarray(block).reshape(streams * steps * b, *out.shape[2:])
+def _place(out: np.ndarray, k: int, begin: int, end: int, rows: np.ndarray) -> None:
+    """Rows [begin, end) of stream k in a chunk of steps (rows) into out (steps, streams, b, ...):
+    a partial step, whole steps, a partial step."""
+    b = out.shape[2]
+    done = 0
+    if begin % b:
+        take = min(b - begin % b, end - begin)
+        out[begin // b, k, begin % b : begin % b + take] = rows[:take]
+        begin, done = begin + take, take
+    whole = (end - begin) // b
+    if whole:
+        out[begin // b : begin // b + whole, k] = rows[done : done + whole * b].reshape(whole, b, *rows.shape[1:])
+        begin, done = begin + whole * b, done + whole * b
+    if begin < end:
+        out[begin // b, k, : end - begin] = rows[done:]
 
 
 def _stored_row_bytes(source: ParquetSource) -> int:
@@ -380,16 +458,19 @@ def _stored_row_bytes(source: ParquetSource) -> int:
     return max(1, stored // rows) if rows else 1
 
 
-def _widen(have: np.ndarray | None, values: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
-    """A chunk's array of a column, made for values (first row group), or widened for them: files
-    may store one column in different widths (int32 in one, int64 in another)."""
+def _array_for(have: np.ndarray | None, values: np.ndarray, lead: tuple[int, ...], name: str) -> np.ndarray:
+    """A chunk's array of a column that values fit in: made for them (first row group), the one it
+    has (values cast to it on the way), or that one widened: files may store one column in
+    different widths (int32 in one, int64 in another)."""
     if have is None:
-        return np.empty((*shape, *values.shape[1:]), dtype=values.dtype)
-    if have.shape[2:] != values.shape[1:]:
+        return np.empty((*lead, *values.shape[1:]), dtype=values.dtype)
+    if have.shape[len(lead) :] != values.shape[1:]:
         raise UserError(
             f"column {name!r} holds values of shape {values.shape[1:]} in one row group and "
-            f"{have.shape[2:]} in another: every row needs one shape"
+            f"{have.shape[len(lead) :]} in another: every row needs one shape"
         )
+    if np.can_cast(values.dtype, have.dtype):
+        return have
     return have.astype(np.result_type(have.dtype, values.dtype))
 
 
@@ -407,10 +488,6 @@ def _check_unchanged(source: ParquetSource) -> None:
         raise UserError(
             f"{source.key}={source.url} changed while in use ({what}): do not write to a data set a run is reading"
         )
-
-
-def _is_range(rows: np.ndarray) -> bool:
-    return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
 
 
 def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
@@ -431,11 +508,13 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
         # This array's own values (it may be a slice of a longer one), without a copy: flatten()
         # copies, and numpy would read the offsets one Python object at a time.
         offsets = arr.offsets.to_numpy()
-        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        values = arr.values
+        if offsets[0] != 0 or offsets[-1] != len(values):
+            values = values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if not _is_numeric(values.type):
             raise UserError(f"column {name!r} is a list of {values.type}: dtf reads lists of numbers only")
         width = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-        if (offsets[1:] - offsets[:-1] != width).any():
+        if not _equal_lengths(offsets, width):
             raise UserError(f"column {name!r} holds lists of different lengths: every row needs the same length")
         return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
     if not _is_numeric(kind):
@@ -445,6 +524,18 @@ def arrow_to_numpy(column: Any, name: str) -> np.ndarray:
             f"column {name!r} has type {kind}: dtf turns only numbers and lists of numbers into tensors{hint}"
         )
     return arr.to_numpy(zero_copy_only=False)
+
+
+def _equal_lengths(offsets: np.ndarray, width: int) -> bool:
+    """Every list of these offsets holds width values."""
+    if offsets[0] == 0:  # a whole row group's column: one comparison of bytes (numpy's ufuncs take longer)
+        return offsets.tobytes() == _even_offsets(len(offsets), width, offsets.dtype.str)
+    return not (offsets[1:] - offsets[:-1] != width).any()
+
+
+@functools.lru_cache(maxsize=16)
+def _even_offsets(count: int, width: int, dtype: str) -> bytes:
+    return (np.arange(count, dtype=dtype) * width).tobytes()
 
 
 def vectors_to_numpy(arr: Any, name: str) -> np.ndarray:
