@@ -827,6 +827,9 @@ class MlflowLoggerConfig:
     timeout_s: int = 10
     # Tags of your own, besides dtf's (dtf.strategy, dtf.world_size, dtf.launcher, dtf.run_dir).
     tags: dict[str, str] = field(default_factory=dict)
+    # The MLflow run this one is a child of. null: none, and in a sweep the sweep's own parent run
+    # (dtf.mlflow_sweep); a sweep given one makes its parent run that run's child.
+    parent_run_id: str | None = None
 
     def __post_init__(self) -> None:
         require(self.max_retries >= 0, "logger.mlflow.max_retries", self.max_retries, "use 0 or more")

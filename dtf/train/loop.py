@@ -364,5 +364,5 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRe
         step = trainer.stopped_at_step
         return Stopped(stop_request.signal_name, step, str(trainer.checkpointer.path_of(step)))
     summary = run_summary.finish(run, trainer, run_dir)
-    trainer.loggers.close("finished")
+    trainer.loggers.close("finished" if trainer.pruned_at_epoch is None else "pruned")
     return Finished(summary.as_dict()) if summary is not None else None

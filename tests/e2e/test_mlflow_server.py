@@ -128,6 +128,60 @@ def test_the_default_job_through_the_command_line(server: dict[str, str], tmp_pa
     assert done.stdout.count("MLflow run ") == 1  # one rank logs
 
 
+def sweep_runs(sweep_dir: Path) -> tuple[Any, list[Any]]:
+    """The sweep's parent run (tagged with its sweep dir) and its children, by MLflow's parent tag."""
+    import mlflow
+
+    [parent] = mlflow.search_runs(
+        search_all_experiments=True,
+        filter_string=f"tags.`dtf.sweep_dir` = '{sweep_dir.resolve()}'",
+        output_format="list",
+    )
+    children = mlflow.search_runs(
+        search_all_experiments=True,
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+        output_format="list",
+    )
+    return parent, list(children)
+
+
+SWEEP = ["launcher.nproc=1", "data.dataset.num_points=400", "data.dataset.num_test=64", "trainer.max_steps=4"]
+
+
+@pytest.mark.parametrize("sweeper", ["basic", "dtf"])
+def test_a_sweep_is_one_parent_run_with_a_child_per_trial_and_its_best_marked(
+    server: dict[str, str], tmp_path: Path, sweeper: str
+) -> None:
+    """Hydra's basic sweeper (points one after another in the sweep's process) and hydra/sweeper=dtf
+    (trials as processes of their own, two at once): one parent, a child per point, and the best child
+    marked on the parent is the point whose summary.json has the lowest objective."""
+    sweep_dir = tmp_path / "sweep"
+    if sweeper == "basic":
+        search = ["optimizer.lr=0.001,0.05"]
+    else:
+        search = [
+            "hydra/sweeper=dtf",
+            "optimizer.lr=interval(0.001,0.05)",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.parallel=2",
+        ]
+    done = run_dtf([*SWEEP, *search, "logger=[tensorboard,mlflow]"], sweep_dir, multirun=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parent, children = sweep_runs(sweep_dir)
+    points = {p.parent for p in sweep_dir.glob("*/summary.json")}
+    assert len(points) == 2 and {Path(c.data.tags["dtf.run_dir"]) for c in children} == {p.resolve() for p in points}
+    objectives = {p.resolve(): json.loads((p / "summary.json").read_text())["objective"] for p in points}
+    best = min(objectives, key=lambda p: objectives[p])
+    assert parent.info.status == "FINISHED" and parent.data.tags["dtf.best_run_dir"] == str(best)
+    assert parent.data.metrics["best/objective"] == objectives[best]
+    assert parent.data.tags["dtf.trials"] == "2" and parent.data.tags["dtf.trials_pruned"] == "0"
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert_history_is_tensorboards(child, Path(child.data.tags["dtf.run_dir"]))
+    if sweeper == "dtf":
+        assert json.loads((sweep_dir / "best.json").read_text())["number"] == int(best.name)
+
+
 def test_a_server_that_dies_mid_run_costs_no_training(
     server: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -137,3 +137,85 @@ def test_a_run_started_from_another_runs_checkpoint_gets_an_mlflow_run_of_its_ow
         max(m.step for m in client.get_metric_history(by_dir[str(run_dir.resolve())].info.run_id, "train/loss_rank0"))
         == 6
     )
+
+
+def test_a_pruned_trial_is_a_finished_run_tagged_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial its search prunes (here after its first epoch) ends FINISHED with dtf.pruned=true, which
+    keeps it from being the sweep's best; an unpruned run carries no such tag."""
+    from mlflow.tracking import MlflowClient
+
+    from dtf.train import loop
+
+    class PruneAtOnce:
+        def should_prune(self, epoch: int, figures: object) -> bool:
+            return True
+
+    monkeypatch.setattr(loop, "trial_pruning", lambda run, objective, env: PruneAtOnce())
+    uri = (tmp_path / "mlruns").as_uri()
+    overrides = ["data.dataset.num_points=400", "data.dataset.num_test=64", "trainer.max_epochs=3"]
+    summary = train_in_process([*overrides, "logger=[mlflow]", f"logger.mlflow.tracking_uri={uri}"], tmp_path / "run")
+    assert summary["pruned"] is True and summary["epochs"] == 1
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("dtf").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["dtf.pruned"] == "true"
+
+
+def test_a_sweeps_parent_marks_its_best_finished_unpruned_child(tmp_path: Path) -> None:
+    """dtf.mlflow_sweep.end_parent over children made with MLflow's client: a pruned child with a lower
+    objective, a failed one and a stopped one are never the best; the counts are tagged."""
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    from dtf import mlflow_sweep
+
+    uri = (tmp_path / "mlruns").as_uri()
+    sweep = OmegaConf.create(
+        {
+            "logger": {"mlflow": {"tracking_uri": uri}},
+            "trainer": {"objective": "val/loss", "objective_mode": "min"},
+            "hydra": {
+                "sweep": {"dir": str(tmp_path / "sweep")},
+                "sweeper": {"_target_": "basic"},
+                "overrides": {"task": ["optimizer.lr=1,2"]},
+            },
+        }
+    )
+    (tmp_path / "sweep").mkdir()
+    settings = mlflow_sweep.mlflow_settings(sweep)
+    assert settings is not None
+    mlflow_sweep.start_parent(settings, sweep)
+    parent = json.loads((tmp_path / "sweep" / mlflow_sweep.PARENT_FILE).read_text())["run_id"]
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("dtf").experiment_id
+    children = {}
+    for name, objective, status, pruned in [
+        ("0", 0.5, "FINISHED", False),
+        ("1", 0.1, "FINISHED", True),
+        ("2", 0.4, "FINISHED", False),
+        ("3", 0.05, "FAILED", False),
+        ("4", 0.01, "KILLED", False),
+    ]:
+        tags = {
+            "mlflow.parentRunId": parent,
+            "dtf.run_dir": f"/sweep/{name}",
+            **({"dtf.pruned": "true"} if pruned else {}),
+        }
+        child = client.create_run(experiment, run_name=name, tags=tags)
+        client.log_metric(child.info.run_id, "hparam/objective", objective)
+        client.set_terminated(child.info.run_id, status)
+        children[name] = child.info.run_id
+    mlflow_sweep.end_parent(settings, sweep)
+    run = client.get_run(parent)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["dtf.best_run_id"] == children["2"] and run.data.tags["dtf.best_run_dir"] == "/sweep/2"
+    assert run.data.metrics["best/objective"] == 0.4
+    assert (run.data.tags["dtf.trials"], run.data.tags["dtf.trials_pruned"], run.data.tags["dtf.trials_failed"]) == (
+        "5",
+        "1",
+        "1",
+    )
+    assert client.get_run(children["2"]).data.tags["dtf.best"] == "true"
+    # The sweep continued (the same sweep dir) is the same parent run, running again.
+    mlflow_sweep.start_parent(settings, sweep)
+    assert json.loads((tmp_path / "sweep" / mlflow_sweep.PARENT_FILE).read_text())["run_id"] == parent
+    assert client.get_run(parent).info.status == "RUNNING"

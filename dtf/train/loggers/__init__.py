@@ -28,7 +28,8 @@ class Logger(Protocol):
         """At the end, once summary.json and model.pt are written: the run's files, where kept."""
 
     def close(self, status: str) -> None:
-        """status: finished, stopped (a stop signal; the run resumes later) or failed."""
+        """status: finished, pruned (by its search, after finishing), stopped (a stop signal; the run
+        resumes later) or failed."""
 
 
 class Loggers:

@@ -3,7 +3,8 @@
 Params: the resolved config, flattened (`trainer.max_epochs`). Metrics: every scalar TensorBoard
 gets, by the same name at the same step, and at the end its hparams' figures (`hparam/objective`).
 Artifacts at the end: summary.json, model.pt and .hydra/. Tags: dtf.strategy, dtf.world_size,
-dtf.launcher, dtf.run_dir. The run's id is kept in the checkpoint (TrainState.mlflow_run_id), so
+dtf.launcher, dtf.run_dir; in a sweep, MLflow's mlflow.parentRunId (the sweep's run, dtf.mlflow_sweep)
+and dtf.pruned on a pruned trial. The run's id is kept in the checkpoint (TrainState.mlflow_run_id), so
 a resumed run continues the same MLflow run.
 
 A tracking server that fails is MLflow's to retry (MLFLOW_HTTP_REQUEST_MAX_RETRIES, _BACKOFF_FACTOR
@@ -24,7 +25,8 @@ from dtf.config.schema import MlflowLoggerConfig
 from dtf.train.loggers import flat_config
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
-STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+STATUS = {"finished": "FINISHED", "pruned": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+PRUNED_TAG = "dtf.pruned"  # a trial its search pruned: finished early, never a sweep's best
 
 
 class MlflowLogger:
@@ -32,6 +34,8 @@ class MlflowLogger:
         self.settings = settings
         self.params = flat_config(OmegaConf.to_container(run.composed, resolve=True, enum_to_str=True))
         self.tags = {
+            **({"mlflow.parentRunId": settings.parent_run_id} if settings.parent_run_id else {}),
+            **({"dtf.trial": str(run.trial.number)} if run.trial is not None else {}),
             "dtf.strategy": run.strategy.name,
             "dtf.world_size": str(world_size),
             "dtf.launcher": run.launcher.name,
@@ -46,14 +50,7 @@ class MlflowLogger:
 
     def start(self, state: Any) -> None:
         self.state = state
-        for name, value in retry_settings(self.settings).items():
-            os.environ.setdefault(name, value)
-        uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-        if uri.startswith("file:"):  # named by the user: MLflow 3 refuses its file store unless told
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.tracking import MlflowClient
-
-        self._call("starting the run", lambda: self._start(MlflowClient(self.settings.tracking_uri), state))
+        self._call("starting the run", lambda: self._start(client(self.settings), state))
 
     def _start(self, client: Any, state: Any) -> None:
         if state.mlflow_run_id and self._same_run_dir(client, state.mlflow_run_id):
@@ -132,6 +129,8 @@ class MlflowLogger:
             )
 
     def close(self, status: str) -> None:
+        if self._active() and status == "pruned":  # a finished run, which its sweep does not choose from
+            self._call("tagging the run pruned", lambda: self.client.set_tag(self.run_id, PRUNED_TAG, "true"))
         if self._active():
             self._call("ending the run", lambda: self.client.set_terminated(self.run_id, STATUS[status]))
         self.client = None
@@ -153,6 +152,23 @@ class MlflowLogger:
                 f"(what was logged before is kept in run {self.run_id or '(none)'})",
                 flush=True,
             )
+
+
+def client(settings: MlflowLoggerConfig) -> Any:
+    """MLflow's client for logger.mlflow's tracking URI (null: MLFLOW_TRACKING_URI, else MLflow's default),
+    with its HTTP retries set from the settings."""
+    for name, value in retry_settings(settings).items():
+        os.environ.setdefault(name, value)
+    if configured_uri(settings).startswith("file:"):  # named by the user: MLflow 3 refuses its file store unless told
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(settings.tracking_uri)
+
+
+def configured_uri(settings: MlflowLoggerConfig) -> str:
+    """The tracking URI as configured ("" where MLflow's own default applies)."""
+    return settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
 def experiment_id(client: Any, name: str) -> str:

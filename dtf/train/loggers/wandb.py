@@ -56,5 +56,5 @@ class WandbLogger:
 
     def close(self, status: str) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=0 if status in ("finished", "stopped") else 1)
+            self.run.finish(exit_code=0 if status in ("finished", "pruned", "stopped") else 1)
             self.run = None
