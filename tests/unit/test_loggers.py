@@ -14,7 +14,7 @@ import pytest
 
 from dtf.errors import UserError
 from tests.helpers.inprocess import compose_config, train_in_process
-from tests.helpers.tracking import as_float32, flattened, training_scalars
+from tests.helpers.tracking import as_float32, flattened, training_scalars, wandb_history
 
 # 6 steps of 32 samples; a train line every 2 steps, an evaluation every 3 (and at the end).
 RUN = [
@@ -219,3 +219,21 @@ def test_a_sweeps_parent_marks_its_best_finished_unpruned_child(tmp_path: Path) 
     mlflow_sweep.start_parent(settings, sweep)
     assert json.loads((tmp_path / "sweep" / mlflow_sweep.PARENT_FILE).read_text())["run_id"] == parent
     assert client.get_run(parent).info.status == "RUNNING"
+
+
+def test_wandb_offline_logs_tensorboards_scalars_and_a_resumed_run_continues_its_run(tmp_path: Path) -> None:
+    """logger=wandb in offline mode (no network): its run file, decoded with wandb's own record types,
+    holds TensorBoard's scalars step for step, and a run trained to step 4 and resumed to step 6 is one
+    W&B run (the id kept in the checkpoint) whose history covers steps 1-6."""
+    first = [*RUN[:2], "trainer.log_every_n_steps=1", "logger=[tensorboard,wandb]", "checkpoint.every_n_steps=2"]
+    train_in_process([*first, "trainer.max_steps=4"], tmp_path)
+    [first_id], _ = wandb_history(tmp_path)
+    summary = train_in_process([*first, "trainer.max_steps=6"], tmp_path)
+    assert summary["resumed_from_step"] == 4
+    ids, history = wandb_history(tmp_path)
+    assert ids == {first_id}
+    scalars = training_scalars(tmp_path)
+    assert set(history) == set(scalars)
+    for tag, by_step in scalars.items():
+        assert as_float32(history[tag]) == by_step, tag
+    assert sorted(history["train/loss_rank0"]) == list(range(1, 7))

@@ -58,3 +58,8 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=0 if status in ("finished", "pruned", "stopped") else 1)
             self.run = None
+            import wandb
+
+            # finish() leaves the run file to wandb's service process, which an atexit hook ends; a rank
+            # that fails leaves by os._exit, without it: end the service here, so the file is whole.
+            wandb.teardown()
