@@ -16,7 +16,7 @@ from dtf.config.schema import WandbLoggerConfig
 class WandbLogger:
     def __init__(self, settings: WandbLoggerConfig, run: Any, run_dir: Path, world_size: int) -> None:
         self.settings = settings
-        self.config = OmegaConf.to_container(run.composed, resolve=True, enum_to_str=True)
+        self.config: dict[str, Any] = OmegaConf.to_container(run.composed, resolve=True, enum_to_str=True)  # type: ignore[assignment]  # a DictConfig: a dict
         self.run_dir = run_dir
         self.tags = [f"strategy:{run.strategy.name}", f"world_size:{world_size}", f"launcher:{run.launcher.name}"]
         self.run: Any = None
@@ -28,7 +28,7 @@ class WandbLogger:
         self.run = wandb.init(
             project=s.project,
             entity=s.entity,
-            mode=s.mode,
+            mode=s.mode,  # type: ignore[arg-type]  # one of wandb's modes: WandbLoggerConfig checks it
             dir=str(self.run_dir),
             name=self.run_dir.name,
             config=self.config,
