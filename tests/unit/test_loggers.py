@@ -237,3 +237,27 @@ def test_wandb_offline_logs_tensorboards_scalars_and_a_resumed_run_continues_its
     for tag, by_step in scalars.items():
         assert as_float32(history[tag]) == by_step, tag
     assert sorted(history["train/loss_rank0"]) == list(range(1, 7))
+
+
+def test_a_function_runs_result_is_logged_at_its_last_step(tmp_path: Path) -> None:
+    """trainer=function: the loggers get the function's averaged result (summary.json's `result`) at its
+    last step, the objective, and the run's files."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers.inprocess import function_in_process
+
+    uri = (tmp_path / "mlruns").as_uri()
+    overrides = ["trainer.fn._target_=returned_values.accuracy", "trainer.objective=test/accuracy", *RUN[:2]]
+    overrides += ["trainer.objective_mode=max", "logger=[csv,mlflow]"]
+    summary = function_in_process([*overrides, f"logger.mlflow.tracking_uri={uri}"], tmp_path / "run")
+    result = summary["result"] if isinstance(summary["result"], dict) else {"result": summary["result"]}
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("dtf").experiment_id])
+    assert run.info.status == "FINISHED"
+    for name, value in result.items():
+        [logged] = client.get_metric_history(run.info.run_id, name)
+        assert (logged.step, logged.value) == (summary["global_step"], value), name
+    assert run.data.metrics["hparam/objective"] == summary["objective"]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"summary.json"}
+    table = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert table.to_dict("records") == [{"step": summary["global_step"], **result}]
