@@ -26,6 +26,7 @@ from dtf.config.typed import RunConfig
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.files import make_dir
 from dtf.launch.base import WorkerFn
+from dtf.mlflow_sweep import link_trial
 from dtf.preflight import check_canonical_partitions, validate
 from dtf.rank import rank_main
 from dtf.results import (
@@ -157,6 +158,7 @@ def run_point(cfg: DictConfig, run_dir: str, value_sweep: bool = False) -> float
     sweep unless hydra.sweeper.max_failure_rate allowed it.
     """
     try:
+        link_trial(cfg, run_dir)
         result = run(cfg, run_dir)
     except KeyboardInterrupt:  # Ctrl-C where no launcher turned it into Interrupted (waiting on SLURM, Spark)
         report_interrupt(Interrupted("SIGINT"), run_dir)

@@ -29,6 +29,13 @@ def _sweeper() -> Any | None:
     return HydraConfig.get().sweeper
 
 
+def sweep_dir() -> str | None:
+    """hydra.sweep.dir of a multirun in progress; None outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return None if _sweeper() is None else str(HydraConfig.get().sweep.dir)
+
+
 def in_basic_sweep() -> bool:
     """A point of Hydra's basic sweeper, which needs no value from it."""
     sweeper = _sweeper()

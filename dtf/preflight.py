@@ -30,6 +30,7 @@ from dtf.config.schema import (
     LocalLauncherConfig,
     MemoryCheck,
     MicsStrategyConfig,
+    OnError,
     ParquetDataConfig,
     SlurmLauncherConfig,
     TrainerConfig,
@@ -54,6 +55,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check_stop_signal(run)
     _check_gpus(run)
     _check_resume(run.checkpoint)
+    _check_loggers(run)
     if isinstance(run.data, ParquetDataConfig):
         from dtf.data.parquet.source import open_sources  # pyarrow: only for runs that read Parquet
 
@@ -132,6 +134,51 @@ def _recorded_partitions(c: CheckpointConfig, run_dir: Path | None) -> int | Non
         return recorded_position(path).canonical_partitions
     except Exception:  # unreadable: the ranks skip or refuse that checkpoint with a reason
         return None
+
+
+def _check_loggers(run: RunConfig) -> None:
+    """Each chosen logger's package is installed, and a tracking server answers, before any rank starts."""
+    from dtf.train.loggers import require_package
+
+    for name in run.loggers:
+        require_package(name)
+    mlflow = run.loggers.get("mlflow")
+    if mlflow is None:
+        return
+    uri = mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    problem = tracking_server_problem(uri, float(mlflow.timeout_s))
+    if problem is None:
+        return
+    where = "logger.mlflow.tracking_uri" if mlflow.tracking_uri else "MLFLOW_TRACKING_URI"
+    if mlflow.on_error == OnError.fail:
+        raise UserError(
+            f"{where}={uri}: the MLflow tracking server cannot be reached ({problem}): start it, give another "
+            "URI, or train without it: logger.mlflow.on_error=warn"
+        )
+    print(
+        f"dtf: warning: {where}={uri}: the MLflow tracking server cannot be reached ({problem}); training goes on "
+        "(logger.mlflow.on_error=warn), and rank 0 tries MLflow once more when training starts",
+        flush=True,
+    )
+
+
+def tracking_server_problem(uri: str, timeout_s: float) -> str | None:
+    """Why an http(s) tracking URI does not answer MLflow's /health (None: it does, or it is no server)."""
+    if not uri.startswith(("http://", "https://")):
+        return None  # a file store or a database: MLflow makes it where it is missing
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            if response.status == 200:
+                return None
+            return f"/health answered HTTP {response.status}"
+    except urllib.error.HTTPError as e:
+        return f"/health answered HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        return " ".join(str(reason).split())
 
 
 def _check_machine(t: TrainerConfig) -> None:

@@ -24,6 +24,7 @@ SECTIONS = (
     "launcher",
     "trainer",
     "checkpoint",
+    "logger",
     "trial",
     "extra",
 )
@@ -35,8 +36,7 @@ FOREIGN = {
     "resume": "a run resumes from checkpoint.resume (auto: the run dir's newest checkpoint, or a path)",
     "resume_from_checkpoint": "a run resumes from checkpoint.resume (auto: the run dir's newest checkpoint, or a path)",
     "checkpoint_path": "a run resumes from checkpoint.resume (auto: the run dir's newest checkpoint, or a path)",
-    "logger": "dtf logs to TensorBoard in the run dir (trainer.tensorboard=true|false)",
-    "loggers": "dtf logs to TensorBoard in the run dir (trainer.tensorboard=true|false)",
+    "loggers": "choose loggers with the logger group: logger=[tensorboard,mlflow,csv]",
     "callbacks": "early stopping, checkpoints and logging are settings of trainer and checkpoint",
     "seed": "use trainer.seed",
     "lr": "use optimizer.lr",

@@ -782,3 +782,77 @@ class TrialConfig:
     number: int = MISSING  # the trial's number in the study (its run dir's name)
     pruner: str = "none"
     pruner_options: dict[str, Any] = field(default_factory=dict)
+
+
+# The logger group (conf/logger/): `logger=[tensorboard,mlflow,csv]` chooses several; each chosen
+# one is a key of `logger` with its settings. Rank 0 logs (dtf.train.loggers).
+class OnError(str, Enum):
+    fail = "fail"  # the run refuses to start (one line, exit 2)
+    warn = "warn"  # the run trains without it, saying so
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """`logger.tensorboard`: event files in <run_dir>/tensorboard."""
+
+
+@dataclass
+class CsvLoggerConfig:
+    """`logger.csv`: <run_dir>/<file>, one row per logged step, a column per scalar."""
+
+    file: str = "metrics.csv"
+
+    def __post_init__(self) -> None:
+        ok = bool(self.file) and "/" not in self.file
+        require(ok, "logger.csv.file", self.file, "give a file name (in the run dir), e.g. metrics.csv")
+
+
+@dataclass
+class MlflowLoggerConfig:
+    """`logger.mlflow`: one MLflow run per dtf run (a resumed run continues it)."""
+
+    # null: MLFLOW_TRACKING_URI, else MLflow's own default. http(s)://host:port (a tracking server),
+    # file:///path or sqlite:///path.db (no server).
+    tracking_uri: str | None = None
+    experiment_name: str = "dtf"
+    # null: the run dir's name.
+    run_name: str | None = None
+    # A tracking server that cannot be reached before any rank starts: fail (refuse to start) or warn
+    # (train without MLflow). Mid-run failures are always reported once and training goes on.
+    on_error: OnError = OnError.fail
+    # Each logging call's HTTP retries and timeout (MLflow's MLFLOW_HTTP_REQUEST_* settings, which
+    # win when set in the environment): small, so a dead server costs seconds, not minutes.
+    max_retries: int = 2
+    backoff_factor: int = 1
+    timeout_s: int = 10
+    # Tags of your own, besides dtf's (dtf.strategy, dtf.world_size, dtf.launcher, dtf.run_dir).
+    tags: dict[str, str] = field(default_factory=dict)
+    # The MLflow run this one is a child of. null: none, and in a sweep the sweep's own parent run
+    # (dtf.mlflow_sweep); a sweep given one makes its parent run that run's child.
+    parent_run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        require(self.max_retries >= 0, "logger.mlflow.max_retries", self.max_retries, "use 0 or more")
+        require(self.timeout_s > 0, "logger.mlflow.timeout_s", self.timeout_s, "use a positive number of seconds")
+
+
+@dataclass
+class WandbLoggerConfig:
+    """`logger.wandb`: a Weights & Biases run in <run_dir>/wandb (offline: no network)."""
+
+    project: str = "dtf"
+    mode: str = "offline"  # offline, online or disabled (wandb.init's mode)
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ok = self.mode in ("offline", "online", "disabled")
+        require(ok, "logger.wandb.mode", self.mode, "use offline, online or disabled")
+
+
+LOGGERS: dict[str, type] = {
+    "tensorboard": TensorBoardLoggerConfig,
+    "csv": CsvLoggerConfig,
+    "mlflow": MlflowLoggerConfig,
+    "wandb": WandbLoggerConfig,
+}

@@ -52,6 +52,8 @@ class RunConfig:
     launcher: LauncherConfig
     # Set on each trial by hydra/sweeper=dtf; None outside a search.
     trial: schema.TrialConfig | None
+    # The loggers chosen (logger=[tensorboard,mlflow,csv]): name -> its settings, in the order chosen.
+    loggers: dict[str, Any]
     # The whole config as composed: what users own (model, optimizer, scheduler, loss, metrics) is
     # built from it by _target_ where it is used, and a run's record digests it.
     composed: DictConfig
@@ -66,8 +68,27 @@ def typed(cfg: DictConfig) -> RunConfig:
         strategy=section(cfg, "strategy", _by_name(cfg.strategy, STRATEGIES, "strategy")),
         launcher=section(cfg, "launcher", _by_name(cfg.launcher, LAUNCHERS, "launcher")),
         trial=section(cfg, "trial", schema.TrialConfig) if cfg.get("trial") is not None else None,
+        loggers=loggers(cfg),
         composed=cfg,
     )
+
+
+def loggers(cfg: DictConfig) -> dict[str, Any]:
+    """The logger group's choices, each as its dataclass (none: logger=[])."""
+    node = cfg.get("logger")
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig):
+        raise UserError(f"logger={node} is not a choice of loggers: e.g. logger=[tensorboard,mlflow,csv]")
+    chosen: dict[str, Any] = {}
+    for name in map(str, node):
+        if name not in schema.LOGGERS:
+            raise UserError(
+                f"logger.{name} is not one of dtf's loggers: choose among {', '.join(schema.LOGGERS)}, "
+                "e.g. logger=[tensorboard,mlflow]"
+            )
+        chosen[name] = section(node, name, schema.LOGGERS[name], prefix="logger.")
+    return chosen
 
 
 def _is_parquet(data: DictConfig) -> bool:
@@ -82,10 +103,12 @@ def _by_name(node: DictConfig, classes: dict[str, type], key: str) -> type:
     return classes[name]
 
 
-def section(cfg: DictConfig, key: str, cls: type) -> Any:
+def section(cfg: DictConfig, key: str, cls: type, prefix: str = "") -> Any:
     """cfg[key] as a cls instance: as composed from dtf's schema, or merged onto it (a user's own
-    option that does not extend the schema still gets its defaults and checks)."""
+    option that does not extend the schema still gets its defaults and checks). prefix: where cfg
+    sits in the whole config, for the messages ("logger.")."""
     node = cfg[key]
+    key = prefix + key
     try:
         if OmegaConf.get_type(node) is not cls:
             node = OmegaConf.merge(OmegaConf.structured(cls), node)

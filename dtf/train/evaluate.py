@@ -67,7 +67,7 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, request: EvalRequest) -> Fi
         assert result is not None
         loss, values = result
         metrics.update({f"{split}/loss": loss, **{f"{split}/{k}": v for k, v in values.items()}})
-    trainer.tb.close()
+    trainer.loggers.close()  # nothing was started: an evaluation logs nowhere but its record
     if not env.is_main:
         return None
     marker = read_marker(checkpoint)

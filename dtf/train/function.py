@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from dtf.data.loader import Datasets, datasets_of
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.results import Finished
+from dtf.train import loggers
 from dtf.train import summary as run_summary
 from dtf.train.function_data import Shard, watching_samplers
 from dtf.train.function_model import ModuleFactory, StepCounter
@@ -169,19 +171,37 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) ->
             flush=True,
         )
     counter = StepCounter(factory)
+    # Rank 0's loggers get what a function run has: its result's figures at its last step, and its files.
+    tracked = loggers.build(run, run_dir, env.is_main, env.world_size)
+    logged = SimpleNamespace(step=0, mlflow_run_id=None, wandb_run_id=None)  # what loggers read of TrainState
+    tracked.start(logged)
     started = time.perf_counter()
     shards = [s for s in (train_shard, test_shard, val_shard) if s is not None]
     try:
-        with _collecting_reports() as reports, watching_samplers(shards, env.is_main):
-            returned = fn(factory, dict(hparams), train_shard, test_shard, **with_val)
-    finally:
-        counter.close()
-        factory.close()
-    seconds = time.perf_counter() - started
-    weight = test_shard.used_on_this_rank() if test_shard is not None else 1
-    val_weight = val_shard.used_on_this_rank() if val_shard is not None else weight
-    result = _combined(_averaged(returned, weight, env, val_weight), _reported(reports, env))
-    return _finish(run, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
+        try:
+            with _collecting_reports() as reports, watching_samplers(shards, env.is_main):
+                returned = fn(factory, dict(hparams), train_shard, test_shard, **with_val)
+        finally:
+            counter.close()
+            factory.close()
+        seconds = time.perf_counter() - started
+        weight = test_shard.used_on_this_rank() if test_shard is not None else 1
+        val_weight = val_shard.used_on_this_rank() if val_shard is not None else weight
+        result = _combined(_averaged(returned, weight, env, val_weight), _reported(reports, env))
+        done = _finish(run, env, run_dir, factory, strategy, result, counter, seconds, len(train_set))  # type: ignore[arg-type]
+    except BaseException:
+        tracked.close("failed")
+        raise
+    if done is not None:
+        logged.step = done.summary["global_step"]
+        figures = result if isinstance(result, dict) else {"result": result}
+        tracked.scalars(logged.step, figures)
+        settings = {"world_size": env.world_size, "strategy": run.strategy.name, **dict(hparams)}
+        plain = {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}  # what hparams records
+        tracked.hparams(plain, {"objective": done.summary["objective"]})
+        tracked.finish(run_dir)
+    tracked.close("finished")
+    return done
 
 
 def _inputs(

@@ -29,7 +29,7 @@ from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
-from dtf.train import blocks, debug, schedule
+from dtf.train import blocks, debug, loggers, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
@@ -37,7 +37,6 @@ from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
-from dtf.train.progress import TensorBoard
 from dtf.train.rng import seed_everything
 from dtf.train.selection import TEST_BIAS_WARNING, resolve_objective
 from dtf.train.trainer import Pruning, Trainer, supervised_step
@@ -56,11 +55,25 @@ def run(
         done = already_finished(trainer, run_dir)
         if done is not None:
             return done if env.is_main else None
-        trainer.fit()
-        beat.mark("finishing")
-        return finish(run, trainer, run_dir, stop_request)
+        start_loggers(run, trainer)
+        try:
+            trainer.fit()
+            beat.mark("finishing")
+            return finish(run, trainer, run_dir, stop_request)
+        except BaseException:
+            trainer.loggers.close("failed")
+            raise
     finally:
         beat.close()
+
+
+def start_loggers(run: RunConfig, trainer: Trainer) -> None:
+    """Rank 0's loggers start (a resumed run's tracking runs continue); every rank's checkpoints
+    then keep the same tracking run ids. Collective where a tracking run is kept."""
+    trainer.loggers.start(trainer.state)
+    st = trainer.state
+    if "mlflow" in run.loggers or "wandb" in run.loggers:
+        st.mlflow_run_id, st.wandb_run_id = dist_env.broadcast_from_main((st.mlflow_run_id, st.wandb_run_id))
 
 
 def already_finished(trainer: Trainer, run_dir: Path) -> Finished | None:
@@ -223,7 +236,7 @@ def assemble(
         train_data=splits.train,
         val_data=splits.val,
         test_data=splits.test,
-        tensorboard=TensorBoard(run_dir, enabled=t.tensorboard and env.is_main),
+        loggers=loggers.build(run, run_dir, env.is_main, env.world_size),
         checkpointer=checkpointer,
         metrics=Metrics.build(cfg.get("metrics"), env.device),
         train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
@@ -347,9 +360,9 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRe
     """How the fit ended: Stopped where the ranks agreed to stop, else the run's record (a
     collective; rank 0 writes it and returns it as Finished)."""
     if trainer.stopped_at_step is not None:
-        trainer.tb.close()  # what was logged so far is kept; the resumed run appends to the same run dir
+        trainer.loggers.close("stopped")  # what was logged so far is kept; the resumed run appends to it
         step = trainer.stopped_at_step
         return Stopped(stop_request.signal_name, step, str(trainer.checkpointer.path_of(step)))
     summary = run_summary.finish(run, trainer, run_dir)
-    trainer.tb.close()
+    trainer.loggers.close("finished" if trainer.pruned_at_epoch is None else "pruned")
     return Finished(summary.as_dict()) if summary is not None else None

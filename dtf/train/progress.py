@@ -1,10 +1,8 @@
-"""What rank 0 shows and records: a progress bar (plain lines off a TTY) and TensorBoard."""
+"""What rank 0 shows: a progress bar (plain lines off a TTY). What it records is dtf.train.loggers'."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -44,35 +42,3 @@ class Progress:
 
 def _fmt(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-class TensorBoard:
-    """Scalars and hparams into <run_dir>/tensorboard (rank 0 only; a no-op elsewhere). The event
-    file is made at the first value: a run that logs nothing (already finished) leaves none."""
-
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
-        self.log_dir = run_dir / "tensorboard"
-        self.enabled = enabled
-        self._writer: Any = None
-
-    @property
-    def writer(self) -> Any:
-        if self._writer is None and self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        return self._writer
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.enabled:
-            for k, v in values.items():
-                self.writer.add_scalar(k, v, step)
-
-    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float | None]) -> None:
-        if self.enabled:
-            clean = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in hparams.items()}
-            self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()

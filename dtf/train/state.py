@@ -46,6 +46,9 @@ class TrainState:
     stopped_early: str | None = None
     # checkpoint.keep_best: [step, objective] of the best evaluations so far, best first.
     best_scores: list[list[float]] = field(default_factory=list)
+    # The tracking runs this run logs to (logger=mlflow, logger=wandb): a resumed run continues them.
+    mlflow_run_id: str | None = None
+    wandb_run_id: str | None = None
 
     def latest_metrics(self) -> dict[str, float]:
         """Every value's latest figure (a test value from the latest evaluation)."""
@@ -73,6 +76,8 @@ class TrainState:
             "judged_step",
             "stopped_early",
             "best_scores",
+            "mlflow_run_id",
+            "wandb_run_id",
         }  # a checkpoint from before they existed loads without them
         missing = [name for name in asdict(self) if name not in state and name not in added_since]
         if missing:

@@ -252,8 +252,9 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | Non
     if run.trainer.export_weights:  # in the module's order, as torch.save(model.state_dict()) has it
         torch.save({name: state[name] for name in trainer.strategy.state_names(trainer.model)}, run_dir / WEIGHTS_FILE)
     results: dict[str, float | None] = {"objective": summary.objective, **summary.final_metrics}
-    trainer.tb.hparams(tensorboard_hparams(run, trainer), results)
+    trainer.loggers.hparams(tensorboard_hparams(run, trainer), results)
     summary.write(run_dir)
+    trainer.loggers.finish(run_dir)  # the run's files as artifacts, where a logger keeps them
     print(
         f"dtf: final {describe(summary.final_metrics)} (over {env.world_size} rank(s)); "
         f"{summary.objective_name} {show(summary.objective)} ({summary.objective_mode}); "

@@ -26,10 +26,11 @@ from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import Checkpointer, committed
 from dtf.train.control import StepControl
 from dtf.train.heartbeat import Heartbeat
+from dtf.train.loggers import Loggers
 from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.nonfinite import NonFiniteGuard
 from dtf.train.precision import Precision
-from dtf.train.progress import Progress, TensorBoard
+from dtf.train.progress import Progress
 from dtf.train.rng import rng_state, set_rng_state
 from dtf.train.schedule import LRSchedule, Plan
 from dtf.train.selection import Selection
@@ -69,7 +70,7 @@ class Trainer:
         train_data: TrainData,
         val_data: EvalData | None,
         test_data: EvalData | None,
-        tensorboard: TensorBoard,
+        loggers: Loggers,
         checkpointer: Checkpointer,
         control: StepControl,
         metrics: Metrics,
@@ -95,7 +96,7 @@ class Trainer:
         # and the test split kept for the end when there is a validation split.
         self.eval_data, self.eval_split = (val_data, "val") if val_data is not None else (test_data, "test")
         self.final_test_data = test_data if val_data is not None else None
-        self.tb = tensorboard
+        self.loggers = loggers  # rank 0's (none elsewhere)
         self.checkpointer = checkpointer
         self.control = control
         self.precision = precision or Precision("32", env.device)
@@ -370,7 +371,7 @@ class Trainer:
         st.metrics_per_epoch.append({"epoch": st.epoch, **figures})
         progress.write(f"epoch {st.epoch}: {describe(figures)} (all ranks)")
         # train/epoch_loss: the name TensorBoard logs have always had for it
-        self.tb.scalars(st.step, {"train/epoch_loss" if k == "train/loss" else k: v for k, v in figures.items()})
+        self.loggers.scalars(st.step, {"train/epoch_loss" if k == "train/loss" else k: v for k, v in figures.items()})
         self._judge(figures, progress)
         if self.pruning is not None and not done and self.pruning.should_prune(st.epoch, figures):
             self.pruned_at_epoch = st.epoch
@@ -413,7 +414,7 @@ class Trainer:
             st.last_test_loss = figures["test/loss"]
             st.test_loss_curve.append(figures["test/loss"])
         if logged:
-            self.tb.scalars(st.step, figures)
+            self.loggers.scalars(st.step, figures)
 
     def _judge(self, figures: dict[str, float], progress: Progress) -> bool:
         """The objective in figures, judged (best so far, early stopping); the best weights and
@@ -466,7 +467,7 @@ class Trainer:
         if st.metrics_per_epoch:
             st.metrics_per_epoch[-1].update(figures)
         progress.write(f"test at the end: {describe(figures)} (all ranks)")
-        self.tb.scalars(st.step, figures)
+        self.loggers.scalars(st.step, figures)
 
     def _stop_in_evaluation(self) -> None:
         """A stop agreed during the epoch's evaluation: the run stops at the epoch's last step, with
@@ -502,7 +503,7 @@ class Trainer:
         local_loss = self.train_loss.local()
         values = {"loss": local_loss, "lr": lr, "samples/s": round(rate)}
         progress.update(self.state.step, self.state.epoch + 1, values)
-        self.tb.scalars(
+        self.loggers.scalars(
             self.state.step, {"train/loss_rank0": local_loss, "train/lr": lr, "train/samples_per_sec": rate}
         )
 

@@ -252,7 +252,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
         ),
         # keys no dtf section reads, as other tools spell them: refused, never silently ignored
         (["+ckpt_path=/x/last.ckpt"], "ckpt_path is not a setting of dtf: a run resumes from checkpoint.resume"),
-        (["+logger=[]"], "logger is not a setting of dtf: "),
+        (["+loggers=[mlflow]"], "loggers is not a setting of dtf: choose loggers with the logger group: logger=["),
         (["+my_root=/data"], "my_root is not a setting of dtf: a value of your own goes under extra (+extra.my_root"),
     ],
 )
