@@ -25,16 +25,24 @@ from tests.helpers.gloo import run_on_ranks
 def test_the_override_grammar_becomes_optuna_distributions() -> None:
     space = search_space(
         {"optimizer.lr": "tag(log, interval(1e-4, 1e-1))", "model.hidden": "choice(16,32,64)"},
-        ["trainer.max_epochs=3", "trainer.seed=range(0,10,3)", "optimizer=choice(adam,sgd)", "a.b=interval(1,4)"],
+        [
+            "trainer.max_epochs=3",
+            "trainer.seed=range(0,9,3)",
+            "optimizer=choice(adam,sgd)",
+            "a.b=interval(1,4)",
+            "a.c=int(interval(1,4))",
+        ],
     )
     assert space.fixed == ["trainer.max_epochs=3"]
     d = space.distributions
     assert d["optimizer.lr"] == FloatDistribution(1e-4, 1e-1, log=True)
     assert d["model.hidden"] == CategoricalDistribution([16, 32, 64])
-    # range's stop is excluded, as in Hydra's basic sweeper: 0, 3, 6, 9
+    # range's stop is included, as in Hydra's Optuna sweeper (not its basic one): 0, 3, 6, 9
     assert d["trainer.seed"] == IntDistribution(0, 9, step=3)
     assert d["optimizer"] == CategoricalDistribution(["adam", "sgd"])
     assert d["a.b"] == FloatDistribution(1.0, 4.0)  # Hydra's interval is a float interval
+    # int(interval(...)): an int (it was sampled as a float: trainer.max_epochs=2.0976 failed the trial)
+    assert d["a.c"] == IntDistribution(1, 4)
     params = {"optimizer.lr": 0.001, "model.hidden": 32, "trainer.seed": 6, "optimizer": "sgd", "a.b": 2}
     assert space.overrides(params) == [
         "trainer.max_epochs=3",
@@ -83,26 +91,29 @@ def suggested(sweep_dir: Path, n: int, **settings: object) -> list[float]:
     study = sweep.open_study()
     points = []
     for _ in range(n):
-        trial = study.ask(sweep.space.distributions)
+        trial = sweep.ask(study)
         points.append(trial.params["optimizer.lr"])
         study.tell(trial, 1.0)
     return points
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random"])
+@pytest.mark.parametrize("sampler", ["TPESampler", "RandomSampler"])
 def test_the_same_seed_gives_the_same_points(tmp_path: Path, sampler: str) -> None:
-    first = suggested(tmp_path / "a", 4, seed=7, sampler=sampler)
-    assert first == suggested(tmp_path / "b", 4, seed=7, sampler=sampler)
-    assert first != suggested(tmp_path / "c", 4, seed=8, sampler=sampler)
+    def seeded(seed: int) -> dict[str, object]:
+        return {"_target_": f"optuna.samplers.{sampler}", "seed": seed}
+
+    first = suggested(tmp_path / "a", 4, sampler=seeded(7))
+    assert first == suggested(tmp_path / "b", 4, sampler=seeded(7))
+    assert first != suggested(tmp_path / "c", 4, sampler=seeded(8))
     # A sweep that continues in the same dir goes on to new points, not the first ones again.
-    assert not set(suggested(tmp_path / "a", 2, seed=7, sampler=sampler)) & set(first)
+    assert not set(suggested(tmp_path / "a", 2, sampler=seeded(7))) & set(first)
 
 
 @pytest.mark.parametrize(
     ("settings", "says"),
     [
         ({"pruner": "early"}, "hydra.sweeper.pruner=early: choose one of none, median, asha, hyperband"),
-        ({"parallel": 0}, "both must be >= 1"),
+        ({"parallel": 0}, "hydra.sweeper.parallel=0: must be >= 1"),
         ({"params": {}}, "nothing to search"),
     ],
 )
