@@ -26,27 +26,19 @@ Not applicable:
 
 from __future__ import annotations
 
-import dataclasses
-import io
-from collections.abc import Callable
+import re
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from dtf.errors import UserError
-from dtf.files import write_json
 from dtf.models import optuna_examples
-from dtf.sweep import sweeper as sweeper_module
-from dtf.sweep.settings import SAMPLERS
 from dtf.sweep.space import distribution_of, search_space
-from dtf.sweep.sweeper import Sweep
+from tests.helpers.optuna_sweeps import run_sweep, sampler, sweep_of
 
 
 def test_discovery() -> None:
@@ -106,99 +98,12 @@ def test_create_params_from_overrides(
 
 
 def test_motpe_sampler_removed(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="the 'motpe' sampler was removed in Optuna 4.0") as e:
+    with pytest.raises(UserError, match=re.escape("the 'motpe' sampler was removed in Optuna 4.0")) as e:
         sweep_of(tmp_path, sampler("motpe"), {"x": "range(0, 5, step=0.5)"}).open_study()
     assert "\n" not in str(e.value)
 
 
 # -- whole sweeps, each trial's process stood in by the example's function ---------------------
-
-
-def sampler(name: str, **options: Any) -> dict[str, Any]:
-    """hydra/sweeper/sampler=<name> with options, as Hydra composes it."""
-    return {**dataclasses.asdict(SAMPLERS[name]()), **options}
-
-
-def sweep_of(
-    sweep_dir: Path,
-    sampler_config: dict[str, Any],
-    params: dict[str, str],
-    hparams: dict[str, Any] | None = None,
-    objective: Any = "auto",
-    **settings: Any,
-) -> Sweep:
-    """A Sweep of the example app whose config is trainer.hparams (its x, y, ...); params keys
-    are the example's, e.g. x -> trainer.hparams.x."""
-    config = OmegaConf.create(
-        {
-            "trainer": {"objective": objective, "objective_mode": "min", "hparams": hparams or {"x": 1, "y": 1}},
-            "launcher": {"name": "local", "nproc": 1},
-            "hydra": {
-                "sweep": {"dir": str(sweep_dir)},
-                "job": {"config_name": "config"},
-                "overrides": {"hydra": []},
-                "runtime": {"config_sources": []},
-            },
-        }
-    )
-    ours = {f"trainer.hparams.{k}": v for k, v in params.items()}
-    arguments = settings.pop("arguments", [])
-    return Sweep({"sampler": sampler_config, "params": ours, **settings}, config, arguments)
-
-
-class FinishedTrial:
-    """A trial's process that has already ended with returncode."""
-
-    def __init__(self, returncode: int) -> None:
-        self.returncode = returncode
-
-    def poll(self) -> int:
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        pass
-
-
-def standing_in(fn: Callable[..., dict[str, float]], base: dict[str, Any]) -> Callable[..., FinishedTrial]:
-    """subprocess.Popen for a trial: fn on the trial's trainer.hparams (base, then the command
-    line's trainer.hparams.* overrides and deletions), its summary.json written as a
-    trainer=function run writes it."""
-
-    def popen(cmd: list[str], stdout: io.BufferedWriter, **kw: Any) -> FinishedTrial:
-        hparams = dict(base)
-        run_dir, objective = None, "test/loss"
-        for arg in cmd[3:]:
-            key, _, value = arg.partition("=")
-            name = key.lstrip("+~").removeprefix("trainer.hparams.")
-            if key == "hydra.run.dir":
-                run_dir = Path(value)
-            elif key == "trainer.objective":
-                objective = value
-            elif key.startswith("~trainer.hparams."):
-                hparams.pop(name, None)
-            elif key.lstrip("+").startswith("trainer.hparams."):
-                hparams[name] = yaml.safe_load(value)
-        assert run_dir is not None
-        try:
-            result = fn(None, hparams, None, None)
-        except RuntimeError as e:
-            stdout.write(f"dtf: error: rank 0 failed: RuntimeError: {e}\n".encode())
-            return FinishedTrial(1)
-        value = result[objective.partition("/")[2]]
-        write_json(run_dir / "summary.json", {"objective": value, "objective_name": objective, "result": result})
-        return FinishedTrial(0)
-
-    return popen
-
-
-def run_sweep(monkeypatch: pytest.MonkeyPatch, sweep: Sweep, fn: Callable[..., dict[str, float]]) -> Any:
-    """Sweep.run() with fn standing in for each trial; returns optimization_results.yaml."""
-    monkeypatch.setattr(sweeper_module.subprocess, "Popen", standing_in(fn, dict(sweep.config.trainer.hparams)))
-    monkeypatch.setattr(sweeper_module, "POLL_S", 0.0)
-    sweep.run()
-    return OmegaConf.load(sweep.dir / "optimization_results.yaml")
-
-
 # example/conf/config.yaml
 SPHERE = {"x": "range(-5.5, 5.5, step=0.5)", "y": "choice(-5 ,0 ,5)"}
 
@@ -261,7 +166,9 @@ def _dominates(values_x: list[float], values_y: list[float]) -> bool:
 
 
 @pytest.mark.parametrize("with_commandline", [True, False])
-def test_optuna_multi_objective_example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_commandline: bool) -> None:
+def test_optuna_multi_objective_example(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_commandline: bool
+) -> None:
     # example/multi-objective-conf/config.yaml, with the sampler the plugin's test gives
     params = {"x": "range(0, 5, step=0.5)", "y": "range(0, 3, step=0.5)"}
     arguments = ["trainer.hparams.x=range(0, 5)", "trainer.hparams.y=range(0, 3)"] if with_commandline else []
