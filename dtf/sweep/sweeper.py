@@ -86,7 +86,9 @@ class Sweep:
             )
         merged = OmegaConf.merge(OmegaConf.structured(SweeperSettings), settings)
         missing = OmegaConf.is_missing(merged, "sampler") or merged.sampler is None
-        sampler = {"_target_": "optuna.samplers.TPESampler"} if missing else OmegaConf.to_container(merged.sampler)
+        sampler = {"_target_": "optuna.samplers.TPESampler"} if missing else merged.sampler
+        if isinstance(sampler, DictConfig):
+            sampler = OmegaConf.to_container(sampler)
         if not isinstance(sampler, dict):
             raise UserError(
                 f"hydra.sweeper.sampler={merged.sampler}: choose a sampler with hydra/sweeper/sampler=tpe (or random, "
@@ -454,6 +456,11 @@ def objectives_and_directions(trainer: Any, direction: Any) -> tuple[list[str], 
         directions = [str(getattr(d, "name", d)).lower() for d in direction]
     else:
         directions = [str(getattr(direction, "name", direction)).lower()]
+    if len(names) > 1 and (bad := [n for n in names if n.partition("/")[0] not in ("val", "test", "train")]):
+        raise UserError(
+            f"trainer.objective={names}: {bad[0]} is not <split>/<name> (e.g. val/loss, val/accuracy); a list names "
+            "each objective"
+        )
     if bad := [d for d in directions if d not in ("minimize", "maximize")]:
         raise UserError(f"hydra.sweeper.direction={bad[0]}: use minimize or maximize (or a list of them)")
     if len(directions) != len(names):

@@ -115,12 +115,49 @@ def test_the_same_seed_gives_the_same_points(tmp_path: Path, sampler: str) -> No
         ({"pruner": "early"}, "hydra.sweeper.pruner=early: choose one of none, median, asha, hyperband"),
         ({"parallel": 0}, "hydra.sweeper.parallel=0: must be >= 1"),
         ({"params": {}}, "nothing to search"),
+        ({"parallel": 2, "n_jobs": 3}, "hydra.sweeper.n_jobs=3 and hydra.sweeper.parallel=2 are one setting"),
+        ({"max_failure_rate": 1.5}, r"hydra.sweeper.max_failure_rate=1.5: give a fraction in \[0, 1\]"),
+        ({"direction": "maximize"}, "hydra.sweeper.direction=maximize but trainer.objective_mode=min for test/loss"),
+        ({"direction": ["minimize", "minimize"]}, "has 2 objective.s. but trainer.objective=.'test/loss'. names 1"),
+        ({"direction": "down"}, "hydra.sweeper.direction=down: use minimize or maximize"),
+        ({"sampler": "random"}, "choose a sampler with hydra/sweeper/sampler=tpe"),
+        ({"custom_search_space": "no_such_module.fn"}, "hydra.sweeper.custom_search_space=no_such_module.fn: "),
     ],
 )
 def test_bad_sweeper_settings_are_one_line(tmp_path: Path, settings: dict[str, object], says: str) -> None:
     s, config = sweep_config(tmp_path, **settings)
+    with pytest.raises(UserError, match=says) as e:
+        Sweep(s, config, [])  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("objective", "settings", "says"),
+    [
+        (["test/loss", "test/rmse"], {}, "names 2 objectives: give hydra.sweeper.direction as a list of 2"),
+        (["test/loss"], {"direction": ["minimize", "maximize"]}, "has 2 objective.s. but trainer.objective"),
+        (["test/loss", "rmse"], {"direction": ["minimize"] * 2}, "rmse is not <split>/<name>"),
+        (
+            ["test/loss", "test/rmse"],
+            {"direction": ["minimize"] * 2, "pruner": "median"},
+            "Optuna prunes studies of one objective only",
+        ),
+    ],
+)
+def test_several_objectives_need_as_many_directions_and_no_pruner(
+    tmp_path: Path, objective: list[str], settings: dict[str, object], says: str
+) -> None:
+    s, config = sweep_config(tmp_path, **settings)
+    config.trainer.objective = objective  # type: ignore[attr-defined]
     with pytest.raises(UserError, match=says):
         Sweep(s, config, [])  # type: ignore[arg-type]
+
+
+def test_a_single_run_refuses_a_list_of_objectives() -> None:
+    from dtf.config.schema import TrainerConfig
+
+    with pytest.raises(UserError, match="a run is judged by one objective"):
+        TrainerConfig(objective=["val/loss", "val/rmse"])
 
 
 def test_a_study_made_to_minimize_is_not_continued_to_maximize(tmp_path: Path) -> None:
