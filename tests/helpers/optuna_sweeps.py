@@ -29,7 +29,7 @@ def sampler(name: str, **options: Any) -> dict[str, Any]:
 def sweep_of(
     sweep_dir: Path,
     sampler_config: dict[str, Any],
-    params: dict[str, str],
+    params: dict[str, str] | None,
     hparams: dict[str, Any] | None = None,
     objective: Any = "auto",
     **settings: Any,
@@ -48,7 +48,7 @@ def sweep_of(
             },
         }
     )
-    ours = {f"trainer.hparams.{k}": v for k, v in params.items()}
+    ours = None if params is None else {f"trainer.hparams.{k}": v for k, v in params.items()}
     arguments = settings.pop("arguments", [])
     return Sweep({"sampler": sampler_config, "params": ours, **settings}, config, arguments)
 

@@ -1,33 +1,42 @@
 """Hydra's Optuna sweeper's own tests, ported to hydra/sweeper=dtf: the in-process half.
 
-From facebookresearch/hydra, plugins/hydra_optuna_sweeper/tests/test_optuna_sweeper_plugin.py
-(with its tests/conf/ and example/ apps). Ported here, in this process:
+From facebookresearch/hydra, plugins/hydra_optuna_sweeper/tests/test_optuna_sweeper_plugin.py (with
+its tests/conf/ and example/ apps), as of v1.3.2 (the 1.3 plugin's) and of main (1.4.0.dev9, for
+Optuna 4+). Ported here, in this process:
 
 - test_discovery: the sweeper is a Hydra Sweeper plugin Hydra finds.
-- test_create_optuna_distribution_from_override, test_create_params_from_overrides: every case,
+- test_create_optuna_distribution_from_override, test_create_params_from_overrides (main's cases,
+  `~z` included), test_create_optuna_distribution_from_config (1.3's search_space): every case,
   against dtf.sweep.space (the plugin's _impl functions' jobs).
+- test_warnings (1.3): search_space is deprecated, and params wins over it; test_motpe_sampler_removed.
 - test_optuna_example (with and without the command line), test_example_with_grid_sampler (10 and
   1 trials), test_optuna_multi_objective_example (both), test_optuna_custom_search_space_example,
-  test_failure_rate (0.5 and 1.0): the whole sweep (Sweep.run: ask, start, reap, tell, conclude,
-  optimization_results.yaml) in this process, with each trial's `python -m dtf` process stood in by
-  the example's function (dtf.models.optuna_examples) evaluated on the trial's own command line.
-  The same sweeps with real dtf trials are tests/e2e/test_optuna_sweeper_ported.py's.
-- test_motpe_sampler_removed: hydra/sweeper/sampler=motpe is refused in one line.
+  test_example_with_deprecated_search_space (1.3), test_failure_rate (0.5 and 1.0): the whole
+  sweep (Sweep.run: ask, start, reap, tell, conclude, optimization_results.yaml) in this process,
+  with each trial's `python -m dtf` process stood in by the example's function
+  (dtf.models.optuna_examples, tests/helpers/optuna_sweeps.py) on the trial's own command line. The
+  example's keys x, y, ... are trainer.hparams.x, ... of a trainer=function run.
+  tests/e2e/test_optuna_sweeper_ported.py runs test_optuna_example, test_failure_rate and
+  test_example_with_removed_motpe with real dtf trials, and the sphere example against Hydra's
+  own plugin.
 
 Not applicable:
 - test_launch_jobs: it sweeps hydra.test_utils.a_module (a Hydra app that is not dtf, with
   hydra/launcher=basic) and expects the sweep to return None. hydra/sweeper=dtf runs every trial
   as `python -m dtf` (no Hydra launcher); a Hydra app that is not dtf gets one line saying what the
   sweeper needs instead (tests/e2e/test_optuna_sweeper_ported.py runs one).
-- The `range` cases keep the plugin's meaning (stop included); the grid sampler's grid includes
-  the stop too, where the plugin's _to_grid_sampler_choices leaves it out (so its grid disagrees
-  with its own range): the ported grid test's assertions hold either way.
+
+Kept with a difference (each assertion of the plugin's holds): the `range` cases keep the
+plugin's meaning (stop included), and the grid sampler's grid includes the stop too, where the
+plugin's _to_grid_sampler_choices leaves it out (its grid disagrees with its own range).
+test_warnings checks dtf's warning line on stderr, not a Python UserWarning.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -37,7 +46,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 
 from dtf.errors import UserError
 from dtf.models import optuna_examples
-from dtf.sweep.space import distribution_of, search_space
+from dtf.sweep.space import distribution_of, distribution_of_config, search_space
 from tests.helpers.optuna_sweeps import run_sweep, sampler, sweep_of
 
 
@@ -95,6 +104,55 @@ def test_create_params_from_overrides(
 ) -> None:
     space = search_space({}, lines)
     assert space.distributions == distributions and space.fixed == fixed
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"type": "categorical", "choices": [1, 2, 3]}, CategoricalDistribution([1, 2, 3])),
+        ({"type": "int", "low": 0, "high": 10}, IntDistribution(0, 10)),
+        ({"type": "int", "low": 0, "high": 10, "step": 2}, IntDistribution(0, 10, step=2)),
+        ({"type": "int", "low": 0, "high": 5}, IntDistribution(0, 5)),
+        ({"type": "int", "low": 1, "high": 100, "log": True}, IntDistribution(1, 100, log=True)),
+        ({"type": "float", "low": 0, "high": 1}, FloatDistribution(0, 1)),
+        ({"type": "float", "low": 0, "high": 10, "step": 2}, FloatDistribution(0, 10, step=2)),
+        ({"type": "float", "low": 1, "high": 100, "log": True}, FloatDistribution(1, 100, log=True)),
+    ],
+)
+def test_create_optuna_distribution_from_config(spec: dict[str, Any], expected: BaseDistribution) -> None:
+    """(1.3's hydra.sweeper.search_space; its distributions by their Optuna 3+ names.)"""
+    check_distribution(expected, distribution_of_config("key", spec))
+
+
+@pytest.mark.parametrize(
+    ("search_space", "params", "msg"),
+    [
+        (None, None, None),
+        ({}, {}, "hydra.sweeper.search_space is deprecated (hydra.sweeper.params is used, search_space ignored)"),
+        ({}, None, "hydra.sweeper.search_space is deprecated (use params)"),
+        (None, {}, None),
+    ],
+)
+def test_warnings(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    search_space: dict[str, Any] | None,
+    params: dict[str, Any] | None,
+    msg: str | None,
+) -> None:
+    settings: dict[str, Any] = {"search_space": search_space, "arguments": ["trainer.hparams.x=choice(1,2)"]}
+    sweep_of(tmp_path, sampler("random"), params, **settings)
+    err = capsys.readouterr().err
+    assert (msg in err) if msg else ("deprecated" not in err)
+
+
+def test_example_with_deprecated_search_space(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # tests/conf/test_deprecated_search_space.yaml (1.3)
+    search = {"trainer.hparams.x": {"type": "float", "low": -5.5, "high": 5.5, "step": 0.5}}
+    sweep = sweep_of(tmp_path, sampler("tpe"), None, {"x": 1, "y": 1}, search_space=search, n_trials=20, n_jobs=1)
+    returns = run_sweep(monkeypatch, sweep, optuna_examples.sphere)
+    assert returns.name == "optuna"
+    assert abs(returns["best_params"]["trainer.hparams.x"]) <= 5.5
 
 
 def test_motpe_sampler_removed(tmp_path: Path) -> None:
