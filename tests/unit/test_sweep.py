@@ -206,3 +206,14 @@ def test_local_trials_side_by_side_split_the_cores_unless_told(tmp_path: Path, m
     config.launcher = {"name": "slurm"}  # type: ignore[attr-defined]
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert "OMP_NUM_THREADS" not in Sweep(s, config, []).trial_env()  # type: ignore[arg-type]
+
+
+def test_the_other_objectives_are_read_from_a_trials_final_metrics() -> None:
+    from dtf.sweep.sweeper import objective_values
+
+    loop = {"objective": 0.5, "objective_name": "val/loss", "final_metrics": {"val/loss": 0.5, "train/loss": 0.7}}
+    assert objective_values(loop, ["val/loss", "train/loss"]) == [0.5, 0.7]
+    function = {"objective": 1.0, "objective_name": "test/v0", "result": {"v0": 1.0, "v1": 2.0}}
+    assert objective_values(function, ["test/v0", "test/v1"]) == [1.0, 2.0]
+    with pytest.raises(UserError, match=r"test/rmse is not among the trial's final values \(train/loss, val/loss\)"):
+        objective_values(loop, ["val/loss", "test/rmse"])
