@@ -70,16 +70,21 @@ def build_sampler(config: Mapping[str, Any], seed: int | None, grid: Callable[[]
             "hydra/sweeper/sampler=motpe: the 'motpe' sampler was removed in Optuna 4.0: use hydra/sweeper/sampler=tpe "
             "(TPESampler takes several objectives)"
         )
-    options["seed"] = seed
-    is_grid = target in ("optuna.samplers.GridSampler", "optuna.samplers._grid.GridSampler")
+    if "seed" in options:
+        options["seed"] = seed
     try:
-        if is_grid:
+        if is_grid(config):
             options.pop("_partial_", None)
             return instantiate(options, search_space=grid())
         return instantiate(options)
     except InstantiationException as e:
         cause = " ".join(str(e.__cause__ or e).split())
         raise UserError(f"hydra.sweeper.sampler ({target or 'no _target_'}): {cause}") from None
+
+
+def is_grid(sampler: Mapping[str, Any]) -> bool:
+    """hydra/sweeper/sampler=grid (or a GridSampler by _target_): its grid is the search space's values."""
+    return str(sampler.get("_target_", "")).rsplit(".", 1)[-1] == "GridSampler"
 
 
 class TrialPruning:

@@ -39,7 +39,7 @@ from dtf.machine import threads_per_rank
 from dtf.results import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
 from dtf.sweep.settings import SweeperSettings
 from dtf.sweep.space import SearchSpace, key_of, search_space
-from dtf.sweep.study import build_pruner, build_sampler, open_storage, storage_spec
+from dtf.sweep.study import build_pruner, build_sampler, is_grid, open_storage, storage_spec
 
 RESULTS_FILE = "optimization_results.yaml"  # as hydra-optuna-sweeper writes it: name, best_params, best_value
 TRIAL_FILE = "trial.json"  # the sweep's record of a trial: params, state, value, times
@@ -127,9 +127,8 @@ class Sweep:
                 f"trainer.objective names {len(self.objectives)}: set hydra.sweeper.pruner=none"
             )
         self.objective = self.objectives[0]
-        self.is_grid = "GridSampler" in str(self.sampler_config.get("_target_", ""))
         self.n_trials = s.n_trials
-        if self.is_grid:
+        if is_grid(self.sampler_config):
             size = math.prod(len(values) for values in self.space.grid().values())
             if size < self.n_trials:
                 print(f"dtf: the grid has {size} point(s): n_trials is {size}, not {self.n_trials}", flush=True)

@@ -9,9 +9,11 @@ ported and what cannot apply, is tests/unit/test_optuna_sweeper_ported.py.
   venv (dtf.sideenv hydra-optuna). Both end at the same best value (0.25, at x=0.5, y=0). The points
   are the same for the first 13 trials (TPE's 10 random start-up ones and its first 3 own), then
   differ: that venv has Optuna 2.10 (all the plugin runs on), dtf has Optuna 5, and their TPE
-  proposes differently from the 14th trial on (the same told values: Optuna 2.10's TPE samples the stepped x as a
-  continuous value rounded to the step, Optuna 5's with a discrete kernel over the steps). Those 20 trials run with each trial stood in by the function (tests/helpers/optuna_sweeps);
-  N_REAL trials of them run for real, as dtf runs, and give the plugin's first N_REAL points.
+  proposes differently from the 14th trial on, from the same told values (Optuna 2.10's TPE samples
+  the stepped x as a continuous value rounded to the step, Optuna 5's with a discrete kernel over
+  the steps). Those 20 trials run with each trial stood in by the function
+  (tests/helpers/optuna_sweeps); N_REAL trials of them run for real, as dtf runs, and give the
+  plugin's first N_REAL points.
   test_optuna_example's assertions run on that real sweep.
 - test_failure_rate (0.5): a failing trial stops the sweep with the trial's error.
 - test_example_with_removed_motpe: refused in one line.
