@@ -47,6 +47,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from dtf.errors import UserError
 from dtf.models import optuna_examples
 from dtf.sweep.space import distribution_of, distribution_of_config, search_space
+from dtf.sweep.study import open_storage
 from tests.helpers.optuna_sweeps import run_sweep, sampler, sweep_of
 
 
@@ -170,7 +171,9 @@ SPHERE = {"x": "range(-5.5, 5.5, step=0.5)", "y": "choice(-5 ,0 ,5)"}
 def test_optuna_example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_commandline: bool) -> None:
     import optuna
 
-    storage = f"sqlite:///{tmp_path / 'test.db'}"
+    # a journal file (the plugin's test: sqlite, which the real sweep of the e2e half keeps; here it
+    # would cost seconds of schema set-up per study)
+    storage = str(tmp_path / "test.journal")
     arguments = ["~trainer.hparams.z"]
     if with_commandline:
         arguments += ["trainer.hparams.x=choice(0, 1, 2)", "trainer.hparams.y=0"]  # y: a fixed parameter
@@ -186,7 +189,7 @@ def test_optuna_example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_co
         arguments=arguments,
     )
     returns = run_sweep(monkeypatch, sweep, optuna_examples.sphere)
-    best_trial = optuna.load_study(storage=storage, study_name="test-optuna-example").best_trial
+    best_trial = optuna.load_study(storage=open_storage(storage), study_name="test-optuna-example").best_trial
     assert returns.name == "optuna"
     assert returns["best_params"]["trainer.hparams.x"] == best_trial.params["trainer.hparams.x"]
     if with_commandline:
