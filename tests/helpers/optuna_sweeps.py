@@ -72,6 +72,7 @@ def standing_in(fn: Callable[..., dict[str, float]], base: dict[str, Any]) -> Ca
     trainer=function run writes it."""
 
     def popen(cmd: list[str], stdout: io.BufferedWriter, **kw: Any) -> FinishedTrial:
+        assert cmd[1:3] == ["-m", "dtf"], cmd  # each trial is a dtf run
         hparams = dict(base)
         run_dir, objective = None, "test/loss"
         for arg in cmd[3:]:
