@@ -61,6 +61,7 @@ def main() -> None:
                 "hydra/sweeper=dtf",
                 f"hydra.sweeper.n_trials={args.trials}",
                 f"hydra.sweeper.parallel={args.parallel}",
+                "hydra.sweeper.sampler.seed=0",
                 "hydra.sweeper.pruner=median",
                 "+hydra.sweeper.pruner_options={n_startup_trials:2}",
                 f"optimizer.lr=tag(log,interval({LOW},{HIGH}))",

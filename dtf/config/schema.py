@@ -91,7 +91,9 @@ class TrainerConfig:
     # val, test or train (e.g. val/accuracy). auto: val/loss where the data has a validation
     # split, else test/loss (the start line warns: choosing on the test set biases its score), else
     # train/loss. With a validation split, the test split is evaluated once, at the end.
-    objective: str = "auto"
+    # A list of names (str each) only in a hydra/sweeper=dtf sweep of several objectives
+    # (hydra.sweeper.direction a list): its trials are judged by the first, and the sweep reads the others.
+    objective: Any = "auto"
     objective_mode: ObjectiveMode = ObjectiveMode.min  # max for accuracy-like objectives
     # Also compute the metrics on the training batches (an update per micro-batch); by default
     # metrics are computed at evaluation only.
@@ -172,6 +174,13 @@ class TrainerConfig:
             "trainer.warmup_start_factor",
             self.warmup_start_factor,
             "use a factor in (0, 1], or null for the default",
+        )
+        require(
+            isinstance(self.objective, str),
+            "trainer.objective",
+            self.objective,
+            "a run is judged by one objective: name one (a list of several is for a hydra/sweeper=dtf sweep with a "
+            "list hydra.sweeper.direction, which judges each trial by the first)",
         )
         split, _, name = self.objective.partition("/")
         require(

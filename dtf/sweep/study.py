@@ -4,7 +4,7 @@ the objective after every evaluation and asks whether to prune, and the ranks st
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from dtf.config.schema import TrialConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.sweep.settings import MOTPE_REMOVED
 
 PRUNERS = ("none", "median", "asha", "hyperband")
-SAMPLERS = ("tpe", "random")
 JOURNAL_FILE = "optuna.journal"
 
 
@@ -57,12 +57,34 @@ def build_pruner(name: str, options: Mapping[str, Any]) -> optuna.pruners.BasePr
         raise UserError(f"hydra.sweeper.pruner_options: {e} (options of {kinds[name].__name__})") from None
 
 
-def build_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    raise UserError(f"hydra.sweeper.sampler={name}: choose one of {', '.join(SAMPLERS)}")
+def build_sampler(config: Mapping[str, Any], seed: int | None, grid: Callable[[], dict[str, list[Any]]]) -> Any:
+    """hydra.sweeper.sampler (the hydra/sweeper/sampler group: _target_ and the sampler's own
+    options) as Optuna's sampler, seeded by seed; grid() gives a GridSampler its search space."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    options = {k: v for k, v in config.items() if v is not None or k == "seed"}
+    target = str(options.get("_target_", ""))
+    if target == MOTPE_REMOVED:
+        raise UserError(
+            "hydra/sweeper/sampler=motpe: the 'motpe' sampler was removed in Optuna 4.0: use hydra/sweeper/sampler=tpe "
+            "(TPESampler takes several objectives)"
+        )
+    if "seed" in options:
+        options["seed"] = seed
+    try:
+        if is_grid(config):
+            options.pop("_partial_", None)
+            return instantiate(options, search_space=grid())
+        return instantiate(options)
+    except InstantiationException as e:
+        cause = " ".join(str(e.__cause__ or e).split())
+        raise UserError(f"hydra.sweeper.sampler ({target or 'no _target_'}): {cause}") from None
+
+
+def is_grid(sampler: Mapping[str, Any]) -> bool:
+    """hydra/sweeper/sampler=grid (or a GridSampler by _target_): its grid is the search space's values."""
+    return str(sampler.get("_target_", "")).rsplit(".", 1)[-1] == "GridSampler"
 
 
 class TrialPruning:
