@@ -36,7 +36,6 @@ N, K = 100, 45  # K is in the middle of the second epoch
 STRATEGIES = {
     "ddp": ["strategy=ddp"],
     "zero1": ["strategy=zero", "strategy.stage=1"],
-    "zero2": ["strategy=zero", "strategy.stage=2"],
     "zero3": ["strategy=zero", "strategy.stage=3"],
     "fsdp": ["strategy=fsdp"],
     "mics": ["strategy=mics", "strategy.partition_group_size=2", "launcher.nproc=4"],
@@ -101,7 +100,7 @@ def _resume_on_ranks(
         "zero1",
         "fsdp",
         "ddp_async",
-        pytest.param("zero2", marks=pytest.mark.slow),
+        # zero2 checkpoints as zero3 does (FSDP2 either way, only resharding after forward differs)
         pytest.param("zero3", marks=pytest.mark.slow),
         pytest.param("mics", marks=pytest.mark.slow),
     ],
@@ -436,7 +435,7 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
     cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}"]
     rng = random.Random(20261122)
     torn = 0
-    for trial in range(4):
+    for trial in range(2):  # one kill at a random moment, one during a save
         before = _steps(ckpts)
         log = tmp_path / f"trial{trial}.log"
         with open(log, "w") as out:

@@ -1,7 +1,8 @@
 """Elastic determinism through `python -m dtf`: at one global batch (SGD, no LR scaling), 1, 2
 and 4 ranks end at the same parameters, and a 2-rank run resumed mid-epoch on 4 ranks ends where
-the straight 2-rank run ends; for in-memory data, plain Parquet written by pyarrow (skewed row
-groups) and a Petastorm dataset written by Petastorm through Spark (its codecs decoded)."""
+the straight 2-rank run ends; for in-memory data and plain Parquet written by pyarrow (skewed row
+groups), and the resume for a Petastorm dataset written by Petastorm through Spark (its codecs
+decoded)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,13 @@ def test_1_2_and_4_ranks_and_a_2_rank_run_resumed_on_4_end_at_the_same_parameter
     tmp_path: Path, data_args: dict[str, list[str]], path: str
 ) -> None:
     args = [*COMMON, *data_args[path]]
-    runs = {world: ok(run_dtf([*args, *on(world)], tmp_path / f"ranks{world}")) for world in (1, 2, 4)}
+    # A Petastorm dataset is read by the same reader as Parquet (its codecs decoded on the way): its
+    # case keeps the resume onto another world size, which Parquet's 1, 2 and 4 ranks do not cover.
+    worlds = (2,) if path == "petastorm" else (1, 2, 4)
+    runs = {world: ok(run_dtf([*args, *on(world)], tmp_path / f"ranks{world}")) for world in worlds}
     checkpoint = runs[2].run_dir / "checkpoints" / f"step_{K:09d}"
     resumed = ok(run_dtf([*args, *on(4), f"checkpoint.resume={checkpoint}"], tmp_path / "resumed"))
-    steps = runs[1].summary["global_step"]
+    steps = runs[2].summary["global_step"]
     assert K < steps < 2 * K  # K is in the middle of epoch 2
     for world, run in runs.items():
         assert run.summary["world_size"] == world and run.summary["global_step"] == steps
@@ -78,11 +82,8 @@ def test_1_2_and_4_ranks_and_a_2_rank_run_resumed_on_4_end_at_the_same_parameter
     assert s["resumed_from_step"] == K and s["world_size"] == 4 and s["global_step"] == steps
     assert "world size changed (2 -> 4)" in resumed.stdout
     assert "seen twice" not in resumed.stdout and "not at all" not in resumed.stdout  # the position is exact
-    differences = {
-        "1 vs 2 ranks": max_difference(runs[1], runs[2]),
-        "4 vs 2 ranks": max_difference(runs[4], runs[2]),
-        "2 -> 4 resumed vs 2 ranks": max_difference(resumed, runs[2]),
-    }
+    differences = {f"{world} vs 2 ranks": max_difference(run, runs[2]) for world, run in runs.items() if world != 2}
+    differences["2 -> 4 resumed vs 2 ranks"] = max_difference(resumed, runs[2])
     assert all(d <= TOLERANCE for d in differences.values()), differences
     assert runs[2].summary["final_train_loss"] < runs[2].summary["train_loss_per_epoch"][0]  # it trained
 

@@ -43,12 +43,11 @@ def _job_id(run: DtfRun) -> str:
     return found.group(1)
 
 
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=1"]])
-def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(
-    tmp_path: Path, strategy: list[str], short_local_run: DtfRun
-) -> None:
-    local = short_local_run if strategy == ["strategy=ddp"] else _ok(run_dtf([*SHORT, *strategy], tmp_path / "local"))
-    slurm = _ok(run_dtf([*SHORT, *strategy, "launcher=slurm"], tmp_path / "slurm"))
+# The strategy is the ranks' business, not the launcher's: DDP here (every strategy equals DDP on
+# local ranks, tests/dist/test_strategies.py).
+def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(tmp_path: Path, short_local_run: DtfRun) -> None:
+    local = short_local_run
+    slurm = _ok(run_dtf([*SHORT, "launcher=slurm"], tmp_path / "slurm"))
     job = _job_id(slurm)
     s = slurm.summary
     assert s["slurm_job_id"] == job and s["launcher"] == "slurm" and s["world_size"] == 2
@@ -174,14 +173,15 @@ def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tm
     assert summaries[0]["slurm_job_id"] == summaries[1]["slurm_job_id"]  # both in the one allocation
 
 
+# Each way of running under SLURM with one of the two kinds of failure (the local and Spark tests
+# have both kinds): a job dtf submits, and ranks srun starts inside an allocation.
 @pytest.mark.parametrize(
-    ("how", "code", "said"),
+    ("where", "how", "code", "said"),
     [
-        ("raise", 1, "rank 1 failed: RuntimeError: injected failure on rank 1"),
-        ("user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)"),
+        ("submitted", "user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)"),
+        ("in an allocation", "raise", 1, "rank 1 failed: RuntimeError: injected failure on rank 1"),
     ],
 )
-@pytest.mark.parametrize("where", ["submitted", "in an allocation"])
 def test_a_rank_failing_under_slurm_is_named_in_one_line(
     tmp_path: Path, where: str, how: str, code: int, said: str
 ) -> None:
