@@ -148,16 +148,23 @@ def sweep_runs(sweep_dir: Path) -> tuple[Any, list[Any]]:
 SWEEP = ["launcher.nproc=1", "data.dataset.num_points=400", "data.dataset.num_test=64", "trainer.max_steps=4"]
 
 
-@pytest.mark.parametrize("sweeper", ["basic", "dtf"])
+@pytest.mark.parametrize("sweeper", ["basic", "dtf", "optuna"])
 def test_a_sweep_is_one_parent_run_with_a_child_per_trial_and_its_best_marked(
     server: dict[str, str], tmp_path: Path, sweeper: str
 ) -> None:
-    """Hydra's basic sweeper (points one after another in the sweep's process) and hydra/sweeper=dtf
-    (trials as processes of their own, two at once): one parent, a child per point, and the best child
-    marked on the parent is the point whose summary.json has the lowest objective."""
+    """Hydra's basic sweeper (points one after another in the sweep's process), hydra/sweeper=dtf
+    (trials as processes of their own, two at once) and Hydra's own Optuna sweeper (in its side venv,
+    which sees the main venv's MLflow): one parent, a child per point, and the best child marked on the
+    parent is the point whose summary.json has the lowest objective."""
     sweep_dir = tmp_path / "sweep"
+    prefix = None
     if sweeper == "basic":
         search = ["optimizer.lr=0.001,0.05"]
+    elif sweeper == "optuna":
+        from tests.helpers import side_venv
+
+        prefix = [str(side_venv.side_python("hydra-optuna")), "-m", "dtf"]
+        search = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=interval(0.001,0.05)"]
     else:
         search = [
             "hydra/sweeper=dtf",
@@ -165,7 +172,9 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_trial_and_its_best_marked(
             "hydra.sweeper.n_trials=2",
             "hydra.sweeper.parallel=2",
         ]
-    done = run_dtf([*SWEEP, *search, "logger=[tensorboard,mlflow]"], sweep_dir, multirun=True, timeout=400)
+    done = run_dtf(
+        [*SWEEP, *search, "logger=[tensorboard,mlflow]"], sweep_dir, multirun=True, timeout=400, prefix=prefix
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     parent, children = sweep_runs(sweep_dir)
     points = {p.parent for p in sweep_dir.glob("*/summary.json")}
