@@ -1,7 +1,7 @@
 """Elastic determinism through `python -m dtf`: at one global batch (SGD, no LR scaling), 1, 2
 and 4 ranks end at the same parameters, and a 2-rank run resumed mid-epoch on 4 ranks ends where
-the straight 2-rank run ends; for in-memory data and plain Parquet written by pyarrow (skewed row
-groups), and the resume for a Petastorm dataset written by Petastorm through Spark (its codecs
+the straight 2-rank run ends; for plain Parquet written by pyarrow (skewed row groups), and the
+resume for a Petastorm dataset written by Petastorm through Spark (its codecs
 decoded)."""
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def max_difference(a: DtfRun, b: DtfRun) -> float:
     return max(float((pa[k] - pb[k]).abs().max()) for k in pa)
 
 
-@pytest.mark.parametrize("path", ["memory", "parquet", "petastorm"])
+# In-memory data on other world sizes: tests/dist/test_equivalence.py (2 ranks = one process's loop)
+# and tests/e2e/test_checkpoint.py (a resume onto another world size and strategy).
+@pytest.mark.parametrize("path", ["parquet", "petastorm"])
 def test_1_2_and_4_ranks_and_a_2_rank_run_resumed_on_4_end_at_the_same_parameters(
     tmp_path: Path, data_args: dict[str, list[str]], path: str
 ) -> None:

@@ -86,7 +86,7 @@ def test_optuna_finds_a_better_lr_than_its_worst_trial(side_python: Path, tmp_pa
         optuna_sweep(
             side_python,
             sweep_dir,
-            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_trials=2",
             "hydra.sweeper.sampler.seed=0",
             "optimizer.lr=tag(log,interval(1e-5,1e-1))",
             "launcher.nproc=1",
@@ -94,17 +94,17 @@ def test_optuna_finds_a_better_lr_than_its_worst_trial(side_python: Path, tmp_pa
         )
     )
     runs = points(sweep_dir)
-    assert sorted(runs) == [0, 1, 2, 3]
+    assert sorted(runs) == [0, 1]
     objectives = {n: json.loads((d / "summary.json").read_text())["objective"] for n, d in runs.items()}
     swept = {n: float(overrides(d)["optimizer.lr"]) for n, d in runs.items()}
-    assert len(set(swept.values())) == 4, swept  # four different LRs
+    assert len(set(swept.values())) == 2, swept  # two different LRs
     result = OmegaConf.load(sweep_dir / "optimization_results.yaml")
     assert result.best_value == min(objectives.values()) < max(objectives.values()), objectives
     best = min(objectives, key=lambda n: objectives[n])
     assert result.best_params["optimizer.lr"] == swept[best]
     # Optuna was told each point's objective (the task's return value), not something else.
     told = trials(side_python, sweep_dir)
-    assert [t["state"] for t in told] == ["COMPLETE"] * 4
+    assert [t["state"] for t in told] == ["COMPLETE"] * 2
     assert sorted(t["value"] for t in told) == sorted(objectives.values())
 
 

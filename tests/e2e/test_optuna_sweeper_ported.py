@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent / "optuna_sweeper"
 SPHERE = ["+experiment=sphere"]
 # (--config-dir before the overrides: Hydra's argument parser takes no option after them)
 DTF = [sys.executable, "-m", "dtf", f"--config-dir={HERE}"]
-N_REAL = 4  # real dtf trials: ~5 s each
+N_REAL = 2  # real dtf trials: ~5 s each
 SAME_POINTS = 13  # Optuna 2.10's TPE and Optuna 5's agree this far on this example (see above)
 STUDY = "test-optuna-example"
 
