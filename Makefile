@@ -16,8 +16,6 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 
 .PHONY: run test test-fast test-compat compat-tests lint bench clean-venv constraints
 
-# --no-compile: pip would byte-compile every file it installs (torch's thousands, mlflow's, ...), about
-# a minute here; Python compiles the modules a run imports, once, into the same __pycache__.
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@c="$(CONSTRAINTS)"; \
@@ -26,8 +24,8 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	if [ -n "$$c" ] && [ "$$want" != "$$have" ]; then \
 		echo "make: $$c holds Python $$want's versions; this venv is Python $$have: installing the newest that pyproject.toml allows"; c=; \
 	fi; \
-	echo "$(PIP) install --quiet --no-compile -e '.[dev]' $${c:+-c $$c}"; \
-	$(PIP) install --quiet --no-compile -e '.[dev]' $${c:+-c $$c}
+	echo "$(PIP) install --quiet -e '.[dev]' $${c:+-c $$c}"; \
+	$(PIP) install --quiet -e '.[dev]' $${c:+-c $$c}
 	@touch $(STAMP)
 
 run: $(STAMP)
