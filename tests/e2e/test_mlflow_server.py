@@ -76,6 +76,7 @@ def test_a_run_is_read_back_by_mlflows_client(server: dict[str, str], tmp_path: 
     assert_history_is_tensorboards(run, tmp_path)
     client = MlflowClient()
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"summary.json", "model.pt"}
+    (tmp_path / "dl").mkdir()  # MLflow 2.x downloads only into a directory that exists
     summary = json.loads(
         Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path / "dl"))).read_text()
     )
