@@ -110,10 +110,11 @@ def read_parent(sweep_dir: Path, uri: str) -> dict[str, str] | None:
 
 
 def link_trial(cfg: DictConfig, run_dir: str) -> None:
-    """A trial's run is the sweep's parent's child (logger.mlflow.parent_run_id), where its sweep has one.
+    """A trial's run is the sweep's parent's child (logger.mlflow.parent_run_id), where its sweep has one:
+    a parent_run_id given to the sweep is the sweep parent's own parent (start_parent), not the trials'.
     Called on each trial's driver before the config is frozen."""
     settings = mlflow_settings(cfg)
-    if settings is None or settings.parent_run_id:
+    if settings is None:
         return
     sweep_dir = sweep_dir_of(cfg, Path(run_dir))
     if sweep_dir is None:

@@ -261,3 +261,22 @@ def test_a_function_runs_result_is_logged_at_its_last_step(tmp_path: Path) -> No
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"summary.json"}
     table = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert table.to_dict("records") == [{"step": summary["global_step"], **result}]
+
+
+def test_a_trial_is_the_sweeps_child_also_when_the_sweep_names_a_parent_run(tmp_path: Path) -> None:
+    """logger.mlflow.parent_run_id given to a sweep nests the sweep's parent run under it; each trial is
+    still the sweep parent's child (a trial of hydra/sweeper=dtf here: its run dir is <sweep dir>/<n>)."""
+    from omegaconf import OmegaConf
+
+    from dtf import mlflow_sweep
+
+    (tmp_path / "sweep").mkdir()
+    uri = "sqlite:///unused.db"
+    (tmp_path / "sweep" / mlflow_sweep.PARENT_FILE).write_text(
+        json.dumps({"run_id": "sweep-parent", "experiment_id": "1", "tracking_uri": uri})
+    )
+    cfg = OmegaConf.create(
+        {"logger": {"mlflow": {"tracking_uri": uri, "parent_run_id": "users-run"}}, "trial": {"number": 0}}
+    )
+    mlflow_sweep.link_trial(cfg, str(tmp_path / "sweep" / "0"))
+    assert cfg.logger.mlflow.parent_run_id == "sweep-parent"
