@@ -19,7 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
 
-from dtf.config.schema import MlflowLoggerConfig, OnError
+from dtf.config.schema import MlflowLoggerConfig
 from dtf.errors import UserError
 from dtf.files import write_json
 from dtf.results import EXIT_USER_ERROR
@@ -66,19 +66,14 @@ def mlflow_settings(config: DictConfig) -> MlflowLoggerConfig | None:
 def start_parent(settings: MlflowLoggerConfig, config: DictConfig) -> None:
     """The sweep's parent run: made, or the interrupted sweep's continued. A tracking server that cannot
     be reached: UserError, or with on_error=warn a warning and no parent (each trial a run of its own)."""
-    from dtf.preflight import tracking_server_problem
+    from dtf.preflight import tracking_server_answers
     from dtf.train.loggers.mlflow import client as mlflow_client
     from dtf.train.loggers.mlflow import configured_uri, experiment_id
 
+    if not tracking_server_answers(settings, "sweep", "the sweep has no MLflow parent run"):
+        return
     sweep_dir = Path(str(config.hydra.sweep.dir))
     uri = configured_uri(settings)
-    problem = tracking_server_problem(uri, float(settings.timeout_s))
-    if problem is not None:
-        line = f"MLflow tracking server {uri} cannot be reached ({problem})"
-        if settings.on_error == OnError.fail:
-            raise UserError(f"{line}: start it, give another URI, or sweep without it: logger.mlflow.on_error=warn")
-        print(f"dtf: warning: {line}; the sweep has no MLflow parent run (logger.mlflow.on_error=warn)", flush=True)
-        return
     client = mlflow_client(settings)
     known = read_parent(sweep_dir, uri)
     if known is not None and _exists(client, known["run_id"]):

@@ -143,23 +143,33 @@ def _check_loggers(run: RunConfig) -> None:
     for name in run.loggers:
         require_package(name)
     mlflow = run.loggers.get("mlflow")
-    if mlflow is None:
-        return
-    uri = mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if mlflow is not None:
+        tracking_server_answers(
+            mlflow, "train", "training goes on, and rank 0 tries MLflow once more when training starts"
+        )
+
+
+def tracking_server_answers(mlflow: Any, doing: str, without: str) -> bool:
+    """Whether logger.mlflow's tracking server answers (True also where it is no server). One that does
+    not: UserError, or with logger.mlflow.on_error=warn a warning that says what happens `without` it."""
+    from dtf.train.loggers.mlflow import configured_uri
+
+    uri = configured_uri(mlflow)
     problem = tracking_server_problem(uri, float(mlflow.timeout_s))
     if problem is None:
-        return
+        return True
     where = "logger.mlflow.tracking_uri" if mlflow.tracking_uri else "MLFLOW_TRACKING_URI"
     if mlflow.on_error == OnError.fail:
         raise UserError(
             f"{where}={uri}: the MLflow tracking server cannot be reached ({problem}): start it, give another "
-            "URI, or train without it: logger.mlflow.on_error=warn"
+            f"URI, or {doing} without it: logger.mlflow.on_error=warn"
         )
     print(
-        f"dtf: warning: {where}={uri}: the MLflow tracking server cannot be reached ({problem}); training goes on "
-        "(logger.mlflow.on_error=warn), and rank 0 tries MLflow once more when training starts",
+        f"dtf: warning: {where}={uri}: the MLflow tracking server cannot be reached ({problem}); {without} "
+        "(logger.mlflow.on_error=warn)",
         flush=True,
     )
+    return False
 
 
 def tracking_server_problem(uri: str, timeout_s: float) -> str | None:

@@ -280,3 +280,32 @@ def test_a_trial_is_the_sweeps_child_also_when_the_sweep_names_a_parent_run(tmp_
     )
     mlflow_sweep.link_trial(cfg, str(tmp_path / "sweep" / "0"))
     assert cfg.logger.mlflow.parent_run_id == "sweep-parent"
+
+
+@pytest.mark.parametrize("on_error", ["fail", "warn"])
+def test_a_sweep_whose_tracking_server_is_unreachable_is_refused_or_has_no_parent(
+    tmp_path: Path, on_error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When the multirun starts (dtf.mlflow_sweep.MlflowSweep): one line and exit 2, or with on_error=warn
+    a warning and no parent run (each trial then checks the server itself, as any run does)."""
+    from omegaconf import OmegaConf
+
+    from dtf.mlflow_sweep import PARENT_FILE, MlflowSweep
+
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    sweep = OmegaConf.create(
+        {
+            "logger": {"mlflow": {"tracking_uri": uri, "on_error": on_error, "timeout_s": 2}},
+            "hydra": {"sweep": {"dir": str(tmp_path)}},
+        }
+    )
+    if on_error == "fail":
+        with pytest.raises(SystemExit) as ended:
+            MlflowSweep().on_multirun_start(sweep)
+        assert ended.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("dtf: error: logger.mlflow.tracking_uri=") and "or sweep without it" in line
+    else:
+        MlflowSweep().on_multirun_start(sweep)
+        assert "the sweep has no MLflow parent run" in capsys.readouterr().out
+    assert not (tmp_path / PARENT_FILE).exists()

@@ -57,7 +57,6 @@ class MlflowLogger:
             run = client.get_run(state.mlflow_run_id)
             client.update_run(state.mlflow_run_id, status="RUNNING")
             self._log_params_of_resumed(client, state.mlflow_run_id, run.data.params)
-            self.client, self.run_id = client, state.mlflow_run_id
             print(f"dtf: MLflow run {self.run_id} continues ({client.tracking_uri})", flush=True)
             return
         experiment = self.settings.experiment_name
