@@ -51,6 +51,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
+    _check_sizes(run)
     _check_machine(run.trainer)
     _check_stop_signal(run)
     _check_gpus(run)
@@ -86,6 +87,18 @@ def validate(cfg: DictConfig) -> RunConfig:
                 _check_target(path, target_node)
     _check_memory(cfg, run)  # last: it builds the model (on the meta device) from what is checked above
     return run
+
+
+def _check_sizes(run: RunConfig) -> None:
+    """The world sizes a run may take keep its global batch (dtf.elastic); where the size is
+    known, the checks below see each rank's batch as the ranks will."""
+    from dtf import elastic
+
+    if isinstance(run.launcher, LocalLauncherConfig):
+        elastic.rdzv_configs(run.launcher.rdzv_configs)
+    world = expected_world_size(run.launcher)
+    if elastic.plan(run, world if dist_env.launched_externally() else None) is not None and world is not None:
+        elastic.apply(run, world)
 
 
 def _check_known_keys(node: DictConfig, section: str) -> None:

@@ -407,6 +407,11 @@ class BaseDataConfig:
     kind: str = MISSING
     # Per rank; the global batch is batch_size x world_size x grad_accum_steps.
     batch_size: int = 32
+    # The global batch, kept on every world size (an elastic run's too): each rank's batch is then
+    # global_batch_size / (world size x trainer.grad_accum_steps), and data.batch_size is the batch
+    # optimizer.lr is given for (trainer.lr_scaling grows it by global_batch_size / data.batch_size).
+    # null: data.batch_size per rank (on launcher.nnodes=MIN:MAX: the full-size run's global batch).
+    global_batch_size: int | None = None
     # Defaults to batch_size (validation and test).
     eval_batch_size: int | None = None
     # A validation split carved out of the training data: this fraction of it, drawn with val_seed
@@ -417,6 +422,12 @@ class BaseDataConfig:
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "use a per-rank batch size of 1 or more")
+        require(
+            self.global_batch_size is None or self.global_batch_size >= 1,
+            "data.global_batch_size",
+            self.global_batch_size,
+            "use a global batch of 1 or more, or null for data.batch_size per rank",
+        )
         require(
             self.eval_batch_size is None or self.eval_batch_size >= 1,
             "data.eval_batch_size",
@@ -658,13 +669,18 @@ class ZeroStrategyConfig:
         )
 
 
+# launcher.max_restarts=null on launcher.nnodes=MIN:MAX: the failures (lost nodes) an elastic run rides out.
+ELASTIC_RESTARTS = 3
+
+
 @dataclass
 class LocalLauncherConfig:
     name: str = "local"
     # Ranks on this machine.
     nproc: int = 2
-    # How often the elastic agent restarts all ranks after one fails.
-    max_restarts: int = 0
+    # How often the elastic agent restarts all ranks after one fails (a node that joins an elastic
+    # run restarts them too, without counting). null: 0, or 3 with launcher.nnodes=MIN:MAX.
+    max_restarts: int | None = None
     # Seconds between the agent's health checks of the ranks.
     monitor_interval: float = 0.1
     start_method: str = "spawn"
@@ -681,10 +697,19 @@ class LocalLauncherConfig:
     node_rank: int | None = None
     # The network interface gloo/NCCL use between nodes; null: the one that reaches rdzv_endpoint.
     network_interface: str | None = None
+    # torch's c10d rendezvous settings (torchrun's --rdzv-conf), in seconds: join_timeout (600: how
+    # long nodes wait for MIN of them), last_call_timeout (30: how long a rendezvous that has MIN
+    # waits for more), close_timeout, heartbeat, keep_alive_interval (5), keep_alive_max_attempt (3).
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_nproc(self.nproc)
-        require(self.max_restarts >= 0, "launcher.max_restarts", self.max_restarts, "use 0 (no restart) or more")
+        require(
+            self.max_restarts is None or self.max_restarts >= 0,
+            "launcher.max_restarts",
+            self.max_restarts,
+            "use 0 (no restart) or more, or null",
+        )
         low, high = self.node_range()
         require(
             1 <= low <= high,
@@ -705,6 +730,13 @@ class LocalLauncherConfig:
             self.node_rank,
             f"use 0 to {high - 1} (0 hosts the rendezvous), or leave it unset",
         )
+
+    def restarts(self) -> int:
+        """launcher.max_restarts, null resolved."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        low, high = self.node_range()
+        return ELASTIC_RESTARTS if low < high else 0
 
     def node_range(self) -> tuple[int, int]:
         """(min, max) nodes; (0, 0) when launcher.nnodes is not N or MIN:MAX."""

@@ -30,13 +30,15 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dtf import failures
+from dtf import elastic, failures
 from dtf.config.schema import LocalLauncherConfig
+from dtf.config.typed import typed
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.launch import stalls
@@ -55,6 +57,9 @@ class LocalLauncher(Launcher):
             return in_place_result(fn(cfg, run_dir))
         nproc = self.cfg.nproc
         min_nodes, max_nodes = self.cfg.node_range()
+        sizes = elastic.plan(typed(cfg))
+        if sizes is not None and sizes.elastic:  # the node counts that keep the global batch
+            min_nodes, max_nodes = sizes.min_nodes, sizes.max_nodes
         nodes = Nodes.of(self.cfg) if max_nodes > 1 else None
         stop_signals = list(self.checkpoint.stop_signals)
         others = {r: Std.ALL for r in range(1, nproc)}
@@ -74,8 +79,11 @@ class LocalLauncher(Launcher):
             run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
             rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
-            rdzv_configs=nodes.rdzv_configs() if nodes else {"is_host": True},
-            max_restarts=self.cfg.max_restarts,
+            rdzv_configs={
+                **elastic.rdzv_configs(self.cfg.rdzv_configs),
+                **(nodes.rdzv_configs() if nodes else {"is_host": True}),
+            },
+            max_restarts=self.cfg.restarts(),
             monitor_interval=self.cfg.monitor_interval,
             start_method=self.cfg.start_method,
             logs_specs=logs,
@@ -112,6 +120,20 @@ class LocalLauncher(Launcher):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
                 results = elastic_launch(config, entrypoint)(cfg, run_dir)
+        except RendezvousTimeoutError:
+            # Too few nodes to meet launcher.nnodes' MIN (the first time, or after losing nodes) in join_timeout.
+            newest = newest_checkpoint("", checkpoints)
+            kept = (
+                f"its newest checkpoint, step {newest.step} ({newest.checkpoint}), is intact"
+                if newest.checkpoint
+                else "it has no checkpoint"
+            )
+            wait = self.cfg.rdzv_configs.get("join_timeout", 600)
+            raise RankFailedError(
+                f"fewer than {min_nodes} node(s) (launcher.nnodes={self.cfg.nnodes}) met at {config.rdzv_endpoint} "
+                f"within {wait} s (launcher.rdzv_configs.join_timeout): the run stopped, and {kept}; the same "
+                f"command on {min_nodes} or more nodes continues it"
+            ) from None
         except RendezvousConnectionError as e:
             if nodes is None:
                 raise  # one node meets on a port the system picks: not the user's to fix

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.optim import Optimizer
 
-from dtf import failures, memory
+from dtf import elastic, failures, memory
 from dtf import strategy as strategies
 from dtf.config.schema import MemoryCheck, ParquetDataConfig
 from dtf.config.typed import DataConfig, RunConfig
@@ -59,10 +59,15 @@ def run(
         try:
             trainer.fit()
             beat.mark("finishing")
-            return finish(run, trainer, run_dir, stop_request)
+            result = finish(run, trainer, run_dir, stop_request)
         except BaseException:
+            # where this world got to, for the next one's record of the change (a peer lost: an elastic restart)
+            elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
             trainer.loggers.close("failed")
             raise
+        if isinstance(result, Stopped):  # (by the agent, for a node that joins?)
+            elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
+        return result
     finally:
         beat.close()
 
@@ -133,8 +138,21 @@ def build(
         trainer.resume_from(resume)
         if env.is_main:
             print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
+    trainer.membership_change = membership_change(trainer, run_dir)
     announce(run, trainer, run_dir, resumed=resume is not None)
     return trainer
+
+
+def membership_change(trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
+    """The change of world size since the checkpoint this run resumed from, with the cost the old
+    world's ranks recorded as they ended (dtf.elastic); None: the same size. Collective."""
+    env, change = trainer.env, None
+    if env.is_main:
+        ended = elastic.take_ended(run_dir)  # taken whatever happens: a later change must not see them
+        old = trainer.resumed_from_world
+        if trainer.resumed_from_step is not None and old is not None and old != env.world_size:
+            change = elastic.change(ended, trainer.resumed_from_step, old, env.world_size)
+    return dist_env.broadcast_from_main(change)
 
 
 @dataclass
@@ -263,7 +281,7 @@ def lr_schedule(run: RunConfig, optimizer: Optimizer, world_size: int) -> schedu
     """The optimizer's LR scaled for the world size (trainer.lr_scaling), then warm-up and the
     user's scheduler over the run's steps."""
     t = run.trainer
-    scale = schedule.lr_scale_factor(t.lr_scaling, world_size, t.grad_accum_steps)
+    scale = schedule.lr_scale_factor(t.lr_scaling, elastic.scaling_world_size(run, world_size), t.grad_accum_steps)
     schedule.scale_lr(optimizer, scale)
     start_factor = t.warmup_start_factor or schedule.default_warmup_start_factor(scale, t.warmup_steps)
     user_scheduler = instantiate(run.composed.scheduler) if run.composed.get("scheduler") else None
@@ -294,9 +312,17 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
     env, t = trainer.env, run.trainer
     if not env.is_main:
         return
-    scale = schedule.lr_scale_factor(t.lr_scaling, env.world_size, t.grad_accum_steps)
+    scale = schedule.lr_scale_factor(t.lr_scaling, elastic.scaling_world_size(run, env.world_size), t.grad_accum_steps)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart:  # the agent restarted the ranks after a failure: say so, once
+    change = trainer.membership_change
+    if change is not None:
+        old, new = change["old_world_size"], change["new_world_size"]
+        how = "a node joined" if new > old else "a node left"
+        again = change["steps_recomputed"]
+        redo = f", {again} step(s) to do again" if again else ""
+        print(f"dtf: membership change ({how}): world size {old} -> {new} from step {change['step']}{redo}", flush=True)
+    if restart and not (change is not None and change["new_world_size"] > change["old_world_size"]):
+        # the agent restarted the ranks after a failure: say so, once (a node that joins restarts them too)
         where = f"resuming from step {trainer.state.step}" if resumed else "starting over (no checkpoint)"
         print(
             f"dtf: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (launcher.max_restarts): "
@@ -309,6 +335,9 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
         f"lr x{scale:g} ({t.lr_scaling.value} scaling){between_nodes(env)}; run dir {run_dir}",
         flush=True,
     )
+    sizes = elastic.plan(run)
+    if sizes is not None and sizes.elastic:
+        print(f"dtf: {sizes.describe()}", flush=True)
     note = lone_rank_threads_note() if env.world_size == 1 else None
     if note:
         print(f"dtf: {note}", flush=True)

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
 
-def lr_scale_factor(mode: str, world_size: int, grad_accum_steps: int = 1) -> float:
+def lr_scale_factor(mode: str, world_size: float, grad_accum_steps: int = 1) -> float:
     """Goyal et al. / Horovod: grow the LR with the global batch (linear), or its square root. The
     global batch grows with the ranks and with the micro-batches accumulated into one step."""
     growth = world_size * grad_accum_steps

@@ -49,6 +49,9 @@ class TrainState:
     # The tracking runs this run logs to (logger=mlflow, logger=wandb): a resumed run continues them.
     mlflow_run_id: str | None = None
     wandb_run_id: str | None = None
+    # Elastic runs: each change of the world size, {"step", "old_world_size", "new_world_size",
+    # "time_lost_s", "steps_recomputed"} (dtf.elastic).
+    membership_changes: list[dict[str, Any]] = field(default_factory=list)
 
     def latest_metrics(self) -> dict[str, float]:
         """Every value's latest figure (a test value from the latest evaluation)."""
@@ -78,6 +81,7 @@ class TrainState:
             "best_scores",
             "mlflow_run_id",
             "wandb_run_id",
+            "membership_changes",
         }  # a checkpoint from before they existed loads without them
         missing = [name for name in asdict(self) if name not in state and name not in added_since]
         if missing:

@@ -133,6 +133,10 @@ class LoopSummary(Summary):
     samples_seen: int
     lr_final: float
     resumed_from_step: int | None
+    # Elastic runs: each change of the world size, {"step" (resumed from), "old_world_size",
+    # "new_world_size", "time_lost_s" (from the old world's end to the new one's first step),
+    # "steps_recomputed" (done by the old world after that checkpoint)}.
+    membership_changes: list[dict[str, Any]]
     data_batches_per_epoch: int
     data_repeated_per_epoch: int  # over all ranks
     # Parquet's data.canonical_partitions as used (auto resolved); null for in-memory data.
@@ -296,6 +300,7 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         train_seconds=st.train_seconds,
         lr_final=trainer.optimizer.param_groups[0]["lr"],
         resumed_from_step=trainer.resumed_from_step,
+        membership_changes=st.membership_changes,
         data_samples=data.num_samples,
         data_batches_per_epoch=len(data),
         data_dropped_per_epoch=data.num_dropped_per_epoch,

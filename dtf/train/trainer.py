@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dtf import elastic
 from dtf.config.schema import TrainerConfig
 from dtf.data.batch import batch_size_of, take_first, to_device
 from dtf.data.interface import EvalData, TrainData
@@ -119,6 +120,9 @@ class Trainer:
         self.beat = heartbeat or Heartbeat(None, env.rank, 0)  # what this rank does, for the driver
         self.beat.step_times = self.step_times
         self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
+        self.resumed_from_world: int | None = None  # the world size of the checkpoint it resumed from
+        # A change of the world size since that checkpoint, completed and recorded at the first step.
+        self.membership_change: dict[str, Any] | None = None
         self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
         self._step_samples = 0  # samples of the latest optimizer step, over all ranks
@@ -334,6 +338,8 @@ class Trainer:
     def _first_step(self, seconds: float) -> None:
         """Compilation happens in the first step: its time and what it compiled, in one line."""
         self.first_step_s = seconds
+        if self.membership_change is not None:  # the first step on the new world size: what the change cost
+            self.state.membership_changes.append(elastic.complete(self.membership_change, time.time()))
         if not self.s.compile:
             return
         self.compiled_graphs = compiled_graphs()
@@ -571,6 +577,7 @@ class Trainer:
         self.precision.load_state_dict(saved.get("precision"))  # older checkpoints have none
         self.nonfinite.skipped = int(saved.get("nonfinite_steps_skipped", 0))
         self.resumed_from_step = self.state.step
+        self.resumed_from_world = saved_world
         self.checkpointer.keep_steps(self.selection.objective, self.state.best_scores)
         saved_batch, saved_partitions = self.state.global_batch, self.state.canonical_partitions
         self._record_data_position()

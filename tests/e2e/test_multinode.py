@@ -5,6 +5,8 @@ cluster with NFS."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.e2e.test_elastic import max_difference
 from tests.helpers.clusters import SCRIPTS, preempt_and_requeue, script_cluster
 
 
@@ -247,3 +250,240 @@ def test_a_preempted_two_node_job_requeues_and_ends_as_the_uninterrupted_run(
         "198.18.0.2",
     ]
     assert summary["params_sha256"] == straight.summary["params_sha256"]
+
+
+# Elastic membership (launcher.nnodes=MIN:MAX): one rank per host, a host's processes killed while
+# it trains and its command started again; each run ends at the parameters of an uninterrupted
+# 2-rank run (the same global batch, so the same samples in the same steps on 1 rank or 2).
+G = 64
+ELASTIC = [
+    "model._target_=user_models.FailingModel",
+    "+model.fail_rank=-1",
+    "optimizer=sgd",
+    "optimizer.lr=0.05",
+    "+launcher.env.OMP_NUM_THREADS=1",  # one intra-op thread on every world size (tests/e2e/test_elastic.py)
+]
+# The rendezvous' waits shortened: for more nodes once MIN are there, and for a lost node's
+# heartbeat (an agent that misses 3 beats 2 s apart is taken for dead: fewer, on a loaded machine,
+# and a live node is dropped: its peers go on without it, and it forms a run of its own, which
+# finds the run dir held and fails).
+QUICK_RDZV = [
+    "+launcher.rdzv_configs.last_call_timeout=2",
+    "+launcher.rdzv_configs.keep_alive_interval=2",
+    "+launcher.rdzv_configs.keep_alive_max_attempt=3",
+]
+
+
+def slow_steps(hold: Path) -> list[str]:
+    """Training outlasts the kills and restarts while the file hold exists (the elastic runs only)."""
+    hold.touch()
+    return ["+model.delay_s=0.05", f"+model.slow_while={hold}"]
+
+
+class ElasticNode:
+    """One host's `python -m dtf` of an elastic run, killed (every process of it, as when the
+    machine dies) and started again by the test."""
+
+    def __init__(self, host: str, node_rank: int, args: list[str], log: Path) -> None:
+        self.host, self.node_rank, self.args, self.log = host, node_rank, args, log
+        self.starts = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = ["bash", str(SCRIPTS / "local-hosts.sh"), "run", self.host, sys.executable, "-m", "dtf", *self.args]
+        self.starts += 1
+        with open(f"{self.log}.{self.starts}.out", "wb") as out, open(f"{self.log}.{self.starts}.err", "wb") as err:
+            cmd.append(f"launcher.node_rank={self.node_rank}")
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dtf_env())
+
+    def kill(self) -> None:
+        import psutil
+
+        assert self.proc is not None
+        tree = psutil.Process(self.proc.pid)
+        everyone = [tree, *tree.children(recursive=True)]  # the ranks too (they start sessions of their own)
+        for p in everyone:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(everyone, timeout=30)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+
+    def output(self) -> str:
+        return "".join(
+            Path(f"{self.log}.{i}.{s}").read_text() for i in range(1, self.starts + 1) for s in ("out", "err")
+        )
+
+
+def _newest(run_dir: Path) -> tuple[int, int]:
+    """(step, world size) of the run's newest committed checkpoint; (0, 0) before the first."""
+    from dtf.train.checkpoint import committed, read_marker
+
+    found = committed(run_dir / "checkpoints")
+    if not found:
+        return 0, 0
+    marker = read_marker(found[0])
+    return marker.step, marker.world_size
+
+
+def _until(run_dir: Path, world: int, past: int, nodes: list[ElasticNode], timeout: float = 120) -> int:
+    """Waits for a checkpoint of the given world size past a step; returns its step."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step, size = _newest(run_dir)
+        if size == world and step > past:
+            return step
+        if any(n.proc is not None and n.proc.poll() is not None for n in nodes[:1]):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + nodes[0].output()[-3000:])
+
+
+def start_elastic(
+    hosts: list[str], args: list[str], run_dir: Path, port: int, nnodes: str = "1:2", global_batch: int = G
+) -> list[ElasticNode]:
+    """The second host first: its agent waits for the first, which hosts the rendezvous, so that
+    the run starts on both (not on the first alone, then grows)."""
+    import time
+
+    common = [
+        *TEST_DEFAULTS,
+        *ELASTIC,
+        *QUICK_RDZV,
+        *args,
+        "launcher.nproc=1",
+        f"launcher.nnodes={nnodes}",
+        f"data.global_batch_size={global_batch}",
+        f"launcher.rdzv_endpoint={hosts[0]}:{port}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    nodes = [ElasticNode(host, i, common, run_dir.parent / f"{run_dir.name}.{host}") for i, host in enumerate(hosts)]
+    nodes[1].start()
+    time.sleep(1)
+    nodes[0].start()
+    return nodes
+
+
+def lose_and_regain(nodes: list[ElasticNode], run_dir: Path, times: int, hold: Path) -> None:
+    """The second host killed once the run trains on both hosts, its command started again once the
+    first trains alone; `times` times. Then the run finishes at full speed."""
+    step = 0
+    for _ in range(times):
+        step = _until(run_dir, 2, step + 10, nodes)
+        nodes[1].kill()
+        step = _until(run_dir, 1, step + 10, nodes)
+        nodes[1].start()
+        step = _until(run_dir, 2, step, nodes)
+    hold.unlink()
+
+
+def lose_below_min(nodes: list[ElasticNode], run_dir: Path) -> tuple[int, float]:
+    """The second host killed once the run trains on both: the first's exit status, and how long it took."""
+    import time
+
+    _until(run_dir, 2, 10, nodes)
+    nodes[1].kill()
+    killed = time.monotonic()
+    return nodes[0].wait(timeout=120), time.monotonic() - killed
+
+
+def test_a_lost_host_leaves_and_rejoins_and_the_run_ends_as_the_uninterrupted_one(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    # In-memory data (lost and regained once) and Parquet written by pyarrow (twice: repeated
+    # faults), at once on the same two hosts; each against its uninterrupted 2-rank run on one.
+    from tests.helpers import user_datasets
+
+    parquet = user_datasets.write_field_parquet(tmp_path / "field")
+    kinds = {
+        "memory": (["data.dataset.num_points=2400", "data.dataset.num_test=400", "trainer.max_steps=1500"], 1),
+        "parquet": (["data=petastorm", f"data.path={parquet}", "trainer.max_steps=1500"], 2),
+    }
+    elastic = {
+        kind: start_elastic(
+            hosts,
+            [*args, *slow_steps(tmp_path / f"{kind}.slow"), "checkpoint.every_n_steps=5"],
+            tmp_path / kind,
+            29510 + i,
+        )
+        for i, (kind, (args, _)) in enumerate(kinds.items())
+    }
+    # And a run whose MIN (2 of 2 to 3 nodes) can no longer be met once the second host is lost.
+    below = start_elastic(
+        hosts,
+        [
+            "data.dataset.num_points=2400",
+            "trainer.max_steps=100000",
+            "checkpoint.every_n_steps=5",
+            *slow_steps(tmp_path / "below.slow"),
+            "+launcher.rdzv_configs.join_timeout=10",
+        ],
+        tmp_path / "below",
+        29520,
+        nnodes="2:3",
+        global_batch=60,
+    )
+    elastic["below"] = below
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(kinds) + 1) as pool:
+            ended = pool.submit(lose_below_min, below, tmp_path / "below")
+            faults = [
+                pool.submit(lose_and_regain, elastic[k], tmp_path / k, times, tmp_path / f"{k}.slow")
+                for k, (_, times) in kinds.items()
+            ]
+            straight = {
+                k: run_dtf(
+                    [*ELASTIC, *args, "launcher.nproc=2", f"data.global_batch_size={G}"], tmp_path / f"{k}-straight"
+                )
+                for k, (args, _) in kinds.items()
+            }
+            for fault in faults:
+                fault.result()
+        codes = {k: [node.wait(timeout=300) for node in elastic[k]] for k in kinds}
+        code, took = ended.result()
+    finally:
+        for nodes in elastic.values():
+            for node in nodes:
+                if node.proc is not None and node.proc.poll() is None:
+                    node.kill()
+    for kind, (_, times) in kinds.items():
+        nodes, reference = elastic[kind], straight[kind]
+        assert codes[kind] == [0, 0], nodes[0].output()[-3000:] + nodes[1].output()[-3000:]
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        s = DtfRun(0, "", "", tmp_path / kind).summary
+        changes = s["membership_changes"]
+        if changes and changes[0]["old_world_size"] == 1:  # the first host began alone, and the second joined
+            changes = changes[1:]
+        assert [(c["old_world_size"], c["new_world_size"]) for c in changes] == [(2, 1), (1, 2)] * times, changes
+        for c in changes:
+            assert c["steps_recomputed"] is not None and c["steps_recomputed"] >= 0 and c["time_lost_s"] > 0, c
+        assert all(c["steps_recomputed"] == 0 for c in changes[1::2]), changes  # a join: the old world saved first
+        assert s["world_size"] == 2 and s["global_step"] == reference.summary["global_step"]
+        assert max_difference(DtfRun(0, "", "", tmp_path / kind), reference) <= 1e-5
+        run = s["global_step"]
+        done = run + sum(c["steps_recomputed"] for c in changes)
+        lost = sorted(c["time_lost_s"] for c in changes[0::2])
+        # as torchft reports it: the share of the steps run that were kept
+        print(f"{kind}: {run} of {done} steps kept ({run / done:.1%}); kill to first step on 1 rank: {lost} s")
+    # No hang: the survivor waits join_timeout for a second node, then ends in one line; its newest
+    # checkpoint is whole.
+    from dtf.train.checkpoint import committed, verify
+
+    last = below[0].output().strip().splitlines()[-1]
+    newest = committed(tmp_path / "below" / "checkpoints")[0]
+    step = _newest(tmp_path / "below")[0]
+    assert code == 1 and took < 60, (code, took, below[0].output()[-3000:])
+    assert last.startswith(
+        f"dtf: error: fewer than 2 node(s) (launcher.nnodes=2:3) met at {hosts[0]}:29520 within 10 s "
+        "(launcher.rdzv_configs.join_timeout): the run stopped, and its newest checkpoint, "
+        f"step {step} ({newest}), is intact; "
+    ), last
+    assert verify(newest)[0]

@@ -26,7 +26,8 @@ class FailingModel(nn.Module):
     stop request). With abort_at_exit, a rank that raised a user error dies of SIGABRT on its way
     out. With first_attempt_only, only the first attempt fails (a restarted run goes through).
     Every forward sleeps delay_s (after a signal at least 50 ms), so that outside events
-    can land in the middle of a run."""
+    can land in the middle of a run; with slow_while, only while that file exists (the test
+    removes it to let the run finish at full speed)."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class FailingModel(nn.Module):
         at_eval: bool = False,
         eval_delay_s: float = 0.0,
         fill_path: str | None = None,
+        slow_while: str | None = None,
         **unused: object,
     ) -> None:
         super().__init__()
@@ -50,6 +52,7 @@ class FailingModel(nn.Module):
         self.raise_after_signal = raise_after_signal
         self.abort_at_exit = abort_at_exit
         self.at_eval, self.eval_delay_s, self.fill_path = at_eval, eval_delay_s, fill_path
+        self.slow_while = slow_while
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,7 @@ class FailingModel(nn.Module):
         if not (self.at_eval and self.training):  # with at_eval, only evaluation calls count
             self.calls += 1
             self._inject()
-        if self.delay_s:
+        if self.delay_s and (self.slow_while is None or os.path.exists(self.slow_while)):
             time.sleep(self.delay_s)
         return self.lin(x)
 
