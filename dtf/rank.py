@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from dtf import failures, rundir
+from dtf import elastic, failures, rundir
 from dtf.errors import user_error_in
 from dtf.results import EXIT_USER_ERROR, RunResult, exit_now
 
@@ -114,8 +114,6 @@ def run_rank(
     across_nodes = env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     if across_nodes:
         run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
-    from dtf import elastic
-
     elastic.apply(run, env.world_size)  # a global batch kept on every world size: this size's per-rank batch
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))

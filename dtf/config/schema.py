@@ -772,12 +772,20 @@ class SparkLauncherConfig:
         check_nproc(self.nproc)
 
 
+# Why launcher=slurm takes no elastic range, and what to do instead (docs/launchers.md, "Elastic").
+SLURM_NODE_RANGE = (
+    "a SLURM job keeps the nodes it starts on: a lost node ends the job, which SLURM requeues "
+    "(launcher.requeue=true) to continue from its newest checkpoint; for a run that goes on without the "
+    "node, use launcher=local with launcher.nnodes=MIN:MAX on each node (srun inside an allocation)"
+)
+
+
 @dataclass
 class SlurmLauncherConfig:
     """One SLURM job, one task per rank, submitted with submitit (or run in place inside an allocation)."""
 
     name: str = "slurm"
-    nodes: int = 1
+    nodes: Any = 1  # a number (a MIN:MAX range is refused: dtf.config.schema.SLURM_NODE_RANGE)
     # Ranks per node (SLURM tasks).
     tasks_per_node: int = 2
     cpus_per_task: int = 1
@@ -803,6 +811,14 @@ class SlurmLauncherConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.nodes, str) and ":" in self.nodes:
+            raise UserError(f"launcher.nodes={self.nodes}: {SLURM_NODE_RANGE}")
+        require(
+            isinstance(self.nodes, int) and not isinstance(self.nodes, bool),
+            "launcher.nodes",
+            self.nodes,
+            "give the job's number of nodes, e.g. launcher.nodes=2",
+        )
         for key in ("nodes", "tasks_per_node", "cpus_per_task"):
             require(getattr(self, key) >= 1, f"launcher.{key}", getattr(self, key), "use 1 or more")
         require(self.time_min is not None, "launcher.time_min", self.time_min, "give the job's time limit in minutes")

@@ -321,14 +321,8 @@ def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  #
     assert time.monotonic() - start < 60
 
 
-def test_max_restarts_restarts_the_ranks_and_the_run_finishes(dtf) -> None:  # type: ignore[no-untyped-def]
-    model = ["model._target_=user_models.FailingModel", "+model.first_attempt_only=true", *SHORT]
-    restarted = dtf(*model, "launcher.max_restarts=1")
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    # the restarted attempt trains from the start: same seed, same batches, same result
-    clean = dtf(*model, "+model.fail_rank=-1")
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    assert restarted.summary["params_sha256"] == clean.summary["params_sha256"]
+# launcher.max_restarts: tests/e2e/test_checkpoint.py (a restart resumes from the newest checkpoint)
+# and tests/e2e/test_multinode.py (an elastic run's restarts after a lost node).
 
 
 def test_runs_in_place_under_an_external_torchrun(dtf) -> None:  # type: ignore[no-untyped-def]
