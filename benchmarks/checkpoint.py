@@ -1,77 +1,151 @@
-"""How long a checkpoint save holds up the training loop: synchronous `dcp.save` against
-`checkpoint.async_save=true` (`dcp.async_save`: the loop waits only for the copy to memory),
-in one run, alternating, as medians and a ratio.
+"""How long a checkpoint save holds up the training loop: synchronous (`dcp.save` in the loop)
+against `checkpoint.async_save=true` (the loop copies the state into shared memory; a writer
+process beside each rank writes it), in one run, alternating, as medians and ratios.
 
-    .venv/bin/python benchmarks/checkpoint.py [--repeats 3] [--width 1024]
+    .venv/bin/python benchmarks/checkpoint.py [--repeats 3] [--width 1024] [--cases deep_mlp default]
 
-Model: deep_mlp at the given width (1024: ~8.4 M parameters, ~100 MB of model and Adam state
-across 2 ranks of DDP), a checkpoint every 10 of 60 steps. `checkpoint_blocked_s` in
-summary.json is rank 0's median time per save spent outside training steps. It also times the
-integrity checksums (CRC32 of every file: computed at each commit, verified before a resume) on
-one of the checkpoints written.
+Cases (2 ranks of DDP, Adam, 6 checkpoints):
+- deep_mlp: deep_mlp at the given width (1024: ~8.4 M parameters, ~100 MB of model and Adam
+  state across 2 ranks of DDP), a checkpoint every 10 of 60 steps;
+- default: the default job (`python -m dtf`: the approximator, a few thousand parameters), a
+  checkpoint every 50 of 300 steps (its steps take a few ms: saves every 10 would each wait for
+  the one before to reach the disk).
+
+`checkpoint_blocked_s` in summary.json is rank 0's median time per save spent outside training
+steps. For each case it prints the blocking fraction (async blocked / sync blocked: the part of
+a synchronous save the loop still waits for), the median step times of both modes, and the
+smallest interval in steps that keeps the loop's cost of saving under 2% of the step time
+(interval >= blocked per save / (0.02 * step time)). The floors, timed here in one process on
+deep_mlp's state: the copy of the state into memory already allocated (what an asynchronous save
+cannot go below), and a plain torch.save of it with fsync (what a synchronous one writes). It
+also times the integrity checksums (CRC32 of every file: computed at each save, verified before a
+resume) on one of the checkpoints written.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import dtf_summary
 
 COMMON = [
-    "model=deep_mlp",
     "optimizer=adam",
     "trainer.progress=off",
     "trainer.export_weights=false",
-    "trainer.max_steps=60",
-    "checkpoint.every_n_steps=10",
     "checkpoint.at_end=false",
-    "data.dataset.num_points=4000",
-    "data.dataset.num_test=200",
 ]
+CASES = {
+    "deep_mlp": [
+        "model=deep_mlp",
+        "data.dataset.num_points=4000",
+        "data.dataset.num_test=200",
+        "trainer.max_steps=60",
+        "checkpoint.every_n_steps=10",
+    ],
+    # Steps of a few ms: a save every 10 would start before the one before is on disk (and wait for it).
+    "default": ["trainer.max_steps=300", "checkpoint.every_n_steps=50"],
+}
+COST_BUDGET = 0.02  # of the step time
 
 
-def run(run_dir: Path, width: int, async_save: bool) -> dict:
-    return dtf_summary(run_dir, [*COMMON, f"model.width={width}", f"checkpoint.async_save={str(async_save).lower()}"])
+def run(run_dir: Path, case: list[str], async_save: bool) -> dict:
+    return dtf_summary(run_dir, [*COMMON, *case, f"checkpoint.async_save={str(async_save).lower()}"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["deep_mlp", "default"])
     a = p.parse_args()
-    blocked: dict[bool, list[float]] = {False: [], True: []}
-    steps: dict[bool, list[float]] = {False: [], True: []}
+    cases = {name: [*CASES[name], *([f"model.width={a.width}"] if name == "deep_mlp" else [])] for name in a.cases}
+    blocked: dict[tuple[str, bool], list[float]] = {(c, m): [] for c in cases for m in (False, True)}
+    steps: dict[tuple[str, bool], list[float]] = {(c, m): [] for c in cases for m in (False, True)}
+    print(f"load average at the start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
-            for async_save in (False, True):
-                s = run(Path(tmp) / f"{i}-{async_save}", a.width, async_save)
-                blocked[async_save].append(s["checkpoint_blocked_s"])
-                steps[async_save].append(s["step_time_s"])
-                print(
-                    f"repeat {i} async={async_save}: blocked {s['checkpoint_blocked_s'] * 1e3:.1f} ms per save, "
-                    f"{s['checkpoints_saved']} saves, step {s['step_time_s'] * 1e3:.1f} ms",
-                    flush=True,
-                )
-            if i == 0:
-                checksum_ms = checksum_cost(Path(tmp) / "0-False" / "checkpoints")
-    sync_ms, async_ms = (statistics.median(blocked[k]) * 1e3 for k in (False, True))
-    print(
-        f"\nmedian time the loop is blocked per save: sync {sync_ms:.1f} ms, async {async_ms:.1f} ms, "
-        f"ratio async/sync {async_ms / sync_ms:.3f}"
-    )
-    print(
-        f"median step time: sync {statistics.median(steps[False]) * 1e3:.1f} ms, "
-        f"async {statistics.median(steps[True]) * 1e3:.1f} ms"
-    )
-    size_mb, crc_ms, verify_ms = checksum_ms
+            for name, case in cases.items():
+                for async_save in (False, True):
+                    s = run(Path(tmp) / f"{name}-{i}-{async_save}", case, async_save)
+                    blocked[name, async_save].append(s["checkpoint_blocked_s"])
+                    steps[name, async_save].append(s["step_time_s"])
+                    print(
+                        f"repeat {i} {name} async={async_save}: blocked {s['checkpoint_blocked_s'] * 1e3:.1f} ms per "
+                        f"save, {s['checkpoints_saved']} saves, step {s['step_time_s'] * 1e3:.1f} ms",
+                        flush=True,
+                    )
+        checksums = checksum_cost(Path(tmp) / f"{next(iter(cases))}-0-False" / "checkpoints")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)\n")
+    for name in cases:
+        sync_ms, async_ms = (statistics.median(blocked[name, m]) * 1e3 for m in (False, True))
+        sync_step, async_step = (statistics.median(steps[name, m]) * 1e3 for m in (False, True))
+        print(f"{name}: median time the loop is blocked per save: sync {sync_ms:.1f} ms, async {async_ms:.1f} ms")
+        print(f"  blocking fraction async/sync {async_ms / sync_ms:.3f} (of a synchronous save, what the loop waits)")
+        ratio = async_step / sync_step
+        print(f"  median step: sync {sync_step:.1f} ms, async {async_step:.1f} ms (async/sync {ratio:.3f})")
+        for mode, ms in (("sync", sync_ms), ("async", async_ms)):
+            every = math.ceil(ms / (COST_BUDGET * sync_step))
+            print(f"  saving costs under {COST_BUDGET:.0%} of the step time with {mode} saves every {every}+ steps")
+    if "deep_mlp" in cases:
+        copy_ms, save_ms, mb = floors(a.width)
+        print(
+            f"floors on deep_mlp's state ({mb:.0f} MB, one process): its copy into memory already allocated "
+            f"{copy_ms:.1f} ms, torch.save with fsync {save_ms:.1f} ms"
+        )
+    size_mb, crc_ms, verify_ms = checksums
     print(
         f"integrity checksums on a {size_mb:.0f} MB checkpoint: CRC32 of all its files {crc_ms:.1f} ms in one process "
-        f"(at a commit each rank checksums its own files), verify before a resume {verify_ms:.1f} ms"
+        f"(at a save each rank checksums its own files), verify before a resume {verify_ms:.1f} ms"
     )
+
+
+def _median_ms(fn: Callable[[], object], times: int = 5) -> float:
+    spent = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        fn()
+        spent.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(spent)
+
+
+def floors(width: int) -> tuple[float, float, float]:
+    """(ms to copy deep_mlp's model and Adam state into buffers already allocated, ms to torch.save
+    it with fsync, MB): medians of 5, one thread, as a rank has."""
+    import torch
+    from common import REPO
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.load(REPO / "conf" / "model" / "deep_mlp.yaml")
+    cfg.width = width
+    model = instantiate(cfg)
+    optimizer = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    tensors = [*model.state_dict().values(), *(t for s in optimizer.state.values() for t in s.values())]
+    buffers = [torch.empty_like(t) for t in tensors]
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.pt"
+
+        def save() -> None:
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        copy_ms = _median_ms(lambda: [b.copy_(t) for b, t in zip(buffers, tensors, strict=True)])
+        save_ms = _median_ms(save)
+    return copy_ms, save_ms, sum(t.nbytes for t in tensors) / 2**20
 
 
 def checksum_cost(root: Path) -> tuple[float, float, float]:
@@ -81,16 +155,7 @@ def checksum_cost(root: Path) -> tuple[float, float, float]:
     path = committed(root)[0]
     files = [f for f in path.iterdir() if f.is_file()]
     size = sum(f.stat().st_size for f in files) / 2**20
-
-    def timed(fn) -> float:  # type: ignore[no-untyped-def]
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return size, timed(lambda: [file_crc32(f) for f in files]), timed(lambda: verify(path))
+    return size, _median_ms(lambda: [file_crc32(f) for f in files]), _median_ms(lambda: verify(path))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ resume from their newest checkpoint.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtf.errors import UserError
 from dtf.files import write_json
+from dtf.helper_process import end_with_parent
 from dtf.machine import threads_per_rank
 from dtf.results import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
 from dtf.sweep.settings import SweeperSettings
@@ -429,10 +429,7 @@ class Sweep:
 def _end_with_parent() -> None:
     """In the trial's process: SIGTERM when the sweep's process dies, even by SIGKILL, so a trial
     never trains on as an orphan that a continued sweep would start a second time."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    end_with_parent(signal.SIGTERM)
     # Ctrl-C in the terminal reaches the sweep, which stops its trials in order (SIGTERM).
     os.setpgrp()
 

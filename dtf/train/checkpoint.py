@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import pickle
@@ -25,10 +26,9 @@ import sys
 import time
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from dtf.files import write_atomically, write_json
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
+if TYPE_CHECKING:
+    from dtf.train.checkpoint_writer import BackgroundWriter
+
 MARKER = "COMMITTED.json"
 _NEARLY_FULL_BYTES = 1 << 20  # a save that failed with less than this left on its disk ran out of space
 TRAINER_FILE = "trainer.pt"
@@ -50,8 +53,10 @@ _PREFIX = "step_"
 BEST_FILE = "best.json"  # checkpoint.keep_best: the best checkpoints and their objective
 
 
-def _torch_save_synced(obj: Any, path: Path) -> None:
-    write_atomically(path, lambda f: torch.save(obj, f), durable=True)
+def _torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def _barrier() -> None:
@@ -301,6 +306,85 @@ def committed(root: Path) -> list[Path]:
     return scan(root)[0]
 
 
+@dataclass
+class SaveRequest:
+    """One rank's part of a checkpoint, as write_files writes it (in the rank, or in its writer
+    process: dtf.train.checkpoint_writer, which replaces state by its copy in shared memory)."""
+
+    path: Path
+    state: dict[str, Any]  # DCP's: model and optimizer
+    files: dict[str, bytes]  # dtf's own small files (rank_<r>.pt; trainer.pt on rank 0), serialized
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which checkpoints are kept: the newest keep_last complete ones, and with keep_best the
+    best ones ([step, objective value], best first), listed in best.json."""
+
+    keep_last: int
+    keep_best: int
+    best: tuple[tuple[int, float], ...] = ()
+    objective: str = ""
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """A checkpoint whose files every rank has written: its marker is written (and older
+    checkpoints pruned) by commit_files, on rank 0 or in its writer process."""
+
+    path: Path
+    step: int
+    world_size: int
+    strategy: str
+    files: dict[str, dict[str, Any]]  # every rank's records
+    retention: Retention
+
+
+def commit_files(request: CommitRequest) -> None:
+    """The commit: the marker, listing every file with its record (anything no rank claimed, a
+    file layout DCP may change, is checksummed here), then the pruning of older checkpoints."""
+    files = dict(request.files)
+    for f in request.path.iterdir():
+        if f.is_file() and f.name not in files:
+            files[f.name] = file_record(f)
+    write_marker(request.path, request.step, request.world_size, request.strategy, files)
+    prune(request.path.parent, request.retention)
+
+
+def prune(root: Path, retention: Retention) -> None:
+    """Delete all but the newest keep_last complete checkpoints and the keep_best best ones
+    (incomplete ones too: never loadable); best.json lists the best that exist."""
+    complete = committed(root)
+    keep = set(complete[: retention.keep_last])
+    best = [(step, value) for step, value in retention.best if root / f"{_PREFIX}{step:09d}" in complete]
+    keep.update(root / f"{_PREFIX}{step:09d}" for step, _ in best)
+    for path in root.glob(f"{_PREFIX}*"):
+        if path not in keep and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+    if retention.keep_best:
+        listed = [{"step": step, retention.objective: value, "path": f"{_PREFIX}{step:09d}"} for step, value in best]
+        write_json(root / BEST_FILE, {"objective": retention.objective, "best": listed})
+
+
+def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Collective (on the default group of the calling process): writes this rank's files of a
+    checkpoint, fsynced; returns the records (size, CRC32) of those it wrote, each checksummed by
+    the rank that wrote it, in parallel and from its own page cache. Rank 0 makes the folder (a
+    stale, uncommitted attempt at the same step is removed first, e.g. one before a crash)."""
+    path = request.path
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    if world_size > 1:
+        dist.barrier()
+    for name, data in request.files.items():
+        write_atomically(path / name, data, durable=True)
+    dcp.save(request.state, checkpoint_id=str(path))
+    mine = (f"__{rank}_", f"rank_{rank}.pt", *((".metadata", TRAINER_FILE) if rank == 0 else ()))
+    return {f.name: file_record(f) for f in path.iterdir() if f.is_file() and f.name.startswith(mine)}
+
+
 class Saveable(Protocol):
     """What a checkpoint holds: state sharded by the strategy (DCP writes each rank's part, and
     reshards it on load), and the trainer's own small state (rank 0 writes it whole)."""
@@ -312,12 +396,14 @@ class Saveable(Protocol):
 
 class Checkpointer:
     """Decides when a save is due (every_n_steps, the last step when at_end, or a stop) and saves
-    one checkpoint at a time. With async_save, DCP writes in a background thread (on its own gloo
-    group, so its collectives never interleave with training's); the marker is written once every
-    rank's part is done, which the ranks learn together at a step boundary (dtf.train.control), or
-    at the latest when the next save starts or the run ends."""
+    one checkpoint at a time. With async_save, a writer process beside the rank writes it
+    (dtf.train.checkpoint_writer) while the rank trains on; the marker is written once every
+    rank's part is done, which the ranks learn together at a step boundary (dtf.train.control),
+    or at the latest when the next save starts or the run ends."""
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, env: DistEnv, strategy_name: str) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, root: Path, env: DistEnv, strategy_name: str, timeout_s: float = 1800.0
+    ) -> None:
         self.root = root
         self.env = env
         self.every_n_steps = cfg.every_n_steps
@@ -328,9 +414,13 @@ class Checkpointer:
         self._objective = ""
         self.strategy_name = strategy_name
         self.async_save = cfg.async_save
-        multi = dist.is_initialized() and env.world_size > 1
-        self._background_group = dist.new_group(backend="gloo") if cfg.async_save and multi else None
-        self._pending: tuple[int, Path, Future[Any]] | None = None
+        self.writer: BackgroundWriter | None = None
+        if cfg.async_save:
+            from dtf.train.checkpoint_writer import BackgroundWriter
+
+            self.writer = BackgroundWriter(env.rank, env.world_size, env.device, timeout_s)
+        self._pending: tuple[int, Path] | None = None  # the save the writer is writing
+        self._committing: tuple[int, Path] | None = None  # rank 0: the checkpoint whose marker the writer writes
         self.blocked_s: list[float] = []  # how long each save held up the training loop
         self.last_saved_step: int | None = None  # of this process's latest save (maybe still being written)
 
@@ -348,27 +438,21 @@ class Checkpointer:
         return True
 
     def write(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
-        """Collective: writes the checkpoint of this step now (committed at once, or once the
-        background write is done)."""
+        """Collective: writes the checkpoint of this step now (committed at once, or once every
+        rank's writer has written its part)."""
         self.finish()  # at most one save in flight: the one before is committed first
         path = self.path_of(step)
         self.last_saved_step = step
+        files = {f"rank_{self.env.rank}.pt": _torch_bytes(rng_state())}
         if self.env.is_main:
-            if path.exists():  # a stale, uncommitted attempt at the same step (e.g. before a crash)
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        _barrier()
+            files[TRAINER_FILE] = _torch_bytes(trainer_state)
+        request = SaveRequest(path, app_state, files)
         with self._failing_save(step, path):
-            _torch_save_synced(rng_state(), path / f"rank_{self.env.rank}.pt")
-            if self.env.is_main:
-                _torch_save_synced(trainer_state, path / TRAINER_FILE)
-            if self.async_save:
-                # Returns once the state is copied to memory; the files are written in the background.
-                future = dcp.async_save(app_state, checkpoint_id=str(path), process_group=self._background_group)
-                self._pending = (step, path, future)  # type: ignore[assignment]
+            if self.writer is not None:
+                self.writer.submit(request)  # returns once the state is copied to memory
+                self._pending = (step, path)
             else:
-                dcp.save(app_state, checkpoint_id=str(path))
-                self._commit(step, path)
+                self._commit(step, path, write_files(request, self.env.rank, self.env.world_size))
         return path
 
     def path_of(self, step: int) -> Path:
@@ -381,17 +465,30 @@ class Checkpointer:
 
     def background_done(self) -> bool:
         """Whether this rank's part of the background save has been written."""
-        return self._pending is not None and self._pending[2].done()
+        return self._pending is not None and self.writer is not None and self.writer.done()
 
     def finish(self) -> None:
         """Collective: waits for the background save, if any, and commits it."""
-        if self._pending is None:
+        if self._pending is None or self.writer is None:
             return
-        step, path, future = self._pending
+        step, path = self._pending
         self._pending = None
+        self._settle_commit()  # the one before, whose outcome comes first
         with self._failing_save(step, path):
-            future.result()  # a failed write raises here, and the checkpoint is never committed
-            self._commit(step, path)
+            records = self.writer.result()  # a failed write raises here, and the checkpoint is never committed
+            self._commit(step, path, records)
+
+    def close(self) -> None:
+        """Commits the background save, if any, and ends the writer process (collective): the
+        newest checkpoint is committed on every rank when it returns."""
+        try:
+            self.finish()
+            self._settle_commit()
+            _barrier()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
 
     @contextlib.contextmanager
     def _failing_save(self, step: int, path: Path) -> Iterator[None]:
@@ -419,48 +516,48 @@ class Checkpointer:
                 "same command to continue"
             ) from None
 
-    def _commit(self, step: int, path: Path) -> None:
-        _barrier()  # every rank's files are on disk before the marker says so
-        # Each rank checksums the files it wrote, in parallel and from its own page cache.
-        mine = [
-            f"__{self.env.rank}_",
-            f"rank_{self.env.rank}.pt",
-            *((".metadata", TRAINER_FILE) if self.env.is_main else ()),
-        ]
-        records = {f.name: file_record(f) for f in path.iterdir() if f.is_file() and f.name.startswith(tuple(mine))}
+    def _commit(self, step: int, path: Path, records: dict[str, dict[str, Any]]) -> None:
+        """Rank 0 gathers every rank's records (each sends them once it has written its files) and
+        writes the marker: itself, or through its writer process (which writes it before the next
+        save; _settle_commit takes its outcome)."""
         gathered: list[Any] = [records]
         if dist.is_initialized() and self.env.world_size > 1:
             gathered = [None] * self.env.world_size if self.env.is_main else []
             dist.gather_object(records, gathered if self.env.is_main else None, dst=0)
         if self.env.is_main:
             files = {name: record for part in gathered for name, record in part.items()}
-            for f in path.iterdir():  # anything no rank claimed (a file layout DCP may change) is checksummed here
-                if f.is_file() and f.name not in files:
-                    files[f.name] = file_record(f)
-            write_marker(path, step, self.env.world_size, self.strategy_name, files)
-            self._prune()
-        _barrier()
+            request = CommitRequest(path, step, self.env.world_size, self.strategy_name, files, self._retention())
+            if self.writer is None:
+                commit_files(request)
+            else:
+                self.writer.commit(request)
+                self._committing = (step, path)
+        if self.writer is None:
+            _barrier()  # the checkpoint is committed on every rank when save returns
+
+    def _settle_commit(self) -> None:
+        """Rank 0: waits for the marker its writer is writing, if any (raising its failure)."""
+        if self._committing is None or self.writer is None:
+            return
+        step, path = self._committing
+        self._committing = None
+        with self._failing_save(step, path):
+            self.writer.take_commit()
+
+    def _retention(self) -> Retention:
+        best = tuple((int(step), float(value)) for step, value in self._best)
+        return Retention(self.keep_last, self.keep_best, best, self._objective)
 
     def keep_steps(self, objective: str, best: list[list[float]]) -> None:
         """checkpoint.keep_best: the checkpoints of these steps ([step, objective value], best
         first) are kept beside the newest keep_last, and listed in best.json."""
         self._objective, self._best = objective, [list(sv) for sv in best]
         if self.keep_best and self.env.is_main and self._pending is None and self.root.is_dir():  # else at a commit
+            self._settle_commit()
             self._prune()
 
     def _prune(self) -> None:
-        """Delete all but the newest keep_last complete checkpoints and the keep_best best ones
-        (incomplete ones too: never loadable); best.json lists the best that exist."""
-        complete = committed(self.root)
-        keep = set(complete[: self.keep_last])
-        best = [(int(step), value) for step, value in self._best if self.path_of(int(step)) in complete]
-        keep.update(self.path_of(step) for step, _ in best)
-        for path in self.root.glob(f"{_PREFIX}*"):
-            if path not in keep and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-        if self.keep_best:
-            listed = [{"step": step, self._objective: value, "path": self.path_of(step).name} for step, value in best]
-            write_json(self.root / BEST_FILE, {"objective": self._objective, "best": listed})
+        prune(self.root, self._retention())
 
     def load(self, path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's

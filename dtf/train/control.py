@@ -168,9 +168,9 @@ class StepControl:
         return Agreement(stop=stop > 0, committed_step=committed, next_interval=int(interval) or None)
 
     def close(self) -> None:
-        """Commits the last background save and waits for the last posted exchange, so that
-        nothing is left in flight."""
-        self.checkpointer.finish()
+        """Commits the last background save (and ends the checkpoint writer process) and waits for
+        the last posted exchange, so that nothing is left in flight."""
+        self.checkpointer.close()
         if self._work is not None:
             self._work.wait()
             self._work = None

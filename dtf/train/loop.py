@@ -241,7 +241,7 @@ def assemble(
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
     objective = objective_name(run, splits)
-    checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name)
+    checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name, t.dist_timeout_s)
     trainer = Trainer(
         t,
         env,

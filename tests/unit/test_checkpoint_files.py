@@ -3,6 +3,7 @@ unpickles to DCP's own classes only. And RNG states survive a weights_only round
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
@@ -165,3 +166,42 @@ def _env():  # type: ignore[no-untyped-def]
 
 def _rewrite_marker(path: Path) -> None:
     write_marker(path, 20, 1, "ddp", {f.name: file_record(f) for f in path.iterdir() if f.name != MARKER})
+
+
+def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a_synchronous_one(
+    tmp_path: Path,
+) -> None:
+    from dtf.config.schema import CheckpointConfig
+    from dtf.train.checkpoint import Checkpointer, load_app_state, read_marker, verify
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+
+    def app_state() -> dict[str, object]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    sync = Checkpointer(CheckpointConfig(), tmp_path / "sync", _env(), strategy_name="ddp")
+    sync.write(5, app_state(), {"step": 5})
+    in_background = Checkpointer(CheckpointConfig(async_save=True), tmp_path / "async", _env(), strategy_name="ddp")
+    try:
+        assert in_background.writer is not None and in_background.writer.pid not in (None, os.getpid())
+        path = in_background.write(5, app_state(), {"step": 5})
+        assert in_background.background_step == 5 and not (path / MARKER).exists()  # written, not yet committed
+        with torch.no_grad():  # training goes on at once: the save holds the state as it was at write
+            for p in model.parameters():
+                p.add_(1.0)
+        in_background.close()
+    finally:
+        if in_background.writer is not None:
+            in_background.writer.close()
+    assert verify(path) == (True, "")
+    assert read_marker(path).files.keys() == read_marker(sync.path_of(5)).files.keys()
+    assert torch.load(path / "trainer.pt", weights_only=True) == {"step": 5}
+    loaded = [copy.deepcopy(app_state()), copy.deepcopy(app_state())]  # filled in place, from each checkpoint
+    for state, where in zip(loaded, (sync.path_of(5), path), strict=True):
+        load_app_state(where, state)
+    torch.testing.assert_close(loaded[0], loaded[1], rtol=0, atol=0)
+    assert not torch.equal(loaded[1]["model"]["0.weight"], model.state_dict()["0.weight"])  # not the live state

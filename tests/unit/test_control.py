@@ -29,7 +29,9 @@ class Stop:
 
 
 def _control(world: int, clock: Clock, stop: Stop, is_main: bool = True, every_n: int | None = None) -> StepControl:
-    idle_checkpointer = SimpleNamespace(background_step=None, background_done=lambda: True, finish=lambda: None)
+    idle_checkpointer = SimpleNamespace(
+        background_step=None, background_done=lambda: True, finish=lambda: None, close=lambda: None
+    )
     return StepControl(
         stop,  # type: ignore[arg-type]
         idle_checkpointer,  # type: ignore[arg-type]

@@ -16,7 +16,6 @@ import bisect
 import contextlib
 import functools
 import multiprocessing
-import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from dtf.data.parquet.petastorm_format import PetastormField, decode
 from dtf.data.parquet.plan import STORED, RowOrder, Stream
 from dtf.data.parquet.source import IMAGE_FIX, ParquetSource, filesystem, first_line, is_vector, list_dataset
 from dtf.errors import UserError
+from dtf.helper_process import main_script_hidden
 from dtf.signals import ignore_stop_signals
 
 Columns = dict[str, np.ndarray]
@@ -180,25 +180,6 @@ def _make_pool(opts: ReaderOptions, reader: RowGroupReader) -> Executor | None:
     return None  # dummy: read in the consumer, when a row group is needed
 
 
-@contextlib.contextmanager
-def _main_script_hidden() -> Iterator[None]:
-    """While process workers start: spawn would import the program's __main__ in each of them (a
-    script without a main guard would run again, and start workers of its own). They need dtf's
-    reader alone, which they import to unpickle it."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved: dict[str, Any] = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
 def _stop_pool(pool: Executor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -300,7 +281,7 @@ class StepReading:
         pool = self.pool
         assert pool is not None
         processes = self.opts.pool_type == "process"
-        with _main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
+        with main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
             while self.next_submit * self.task_size < limit:
                 read = _read_in_process if processes else self.reader
                 self.futures[self.next_submit] = pool.submit(read, self.tasks[self.next_submit], self.row_order)

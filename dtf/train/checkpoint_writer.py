@@ -1,0 +1,206 @@
+"""checkpoint.async_save: a process beside each rank writes its checkpoints while the rank trains.
+
+The rank only copies its state into memory that the process shares (torch's DefaultStager, which
+reuses the same buffers from one save to the next; pinned on CUDA, where the copy leaves the GPU)
+and hands it over: the loop is held up for that copy alone. The writer process then does what a
+synchronous save does (dtf.train.checkpoint.write_files: the small files, DCP's shards through its
+own gloo group, the CRC32 of every file it wrote) and answers with the checksums; the commit
+marker is written by the ranks as before, once every rank's writer has finished.
+
+A process, not a thread (as DCP's own `async_save(..., async_checkpointer_type=PROCESS)`): a
+thread's writing and pickling holds the GIL the training loop needs, and cannot be given a lower
+priority. The writer runs at a lower priority (niceness WRITER_NICENESS, within the rank's
+session), on one thread, so that on a machine whose cores the ranks fill it takes the time they
+leave. Unlike DCP's process, its group meets through the rank group's own store (no new server
+listening anywhere), it ignores the stop signals its rank handles (a scheduler signals every
+process of a job), and it dies with its rank (a killed rank leaves no orphan writing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import signal
+import uuid
+from collections import deque
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # registers the reductions that pass tensors through shared memory
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from dtf.helper_process import end_with_parent, main_script_hidden
+from dtf.signals import ignore_stop_signals
+
+if TYPE_CHECKING:
+    from dtf.train.checkpoint import CommitRequest, SaveRequest
+
+WRITER_NICENESS = 10  # a weight of 110 against a rank's 1024: a tenth of a core the ranks want
+_STOP = "stop"
+
+
+class BackgroundWriter:
+    """The rank's side: stage and send a save, ask whether it is written, take its result.
+    Collective to create (every rank of the group at once): the writers' group is named by rank 0."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+        from dtf.dist.env import broadcast_from_main
+
+        on_gpu = device.type == "cuda"
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=on_gpu,
+                use_shared_memory=True,  # handed to the writer without a copy
+                use_async_staging=False,  # the copy is done when save returns: training may change the state
+                use_non_blocking_copy=on_gpu,
+            )
+        )
+        # The writers' keys in the rank group's store, fresh for every start of the ranks.
+        prefix = f"dtf/checkpoint-writer/{broadcast_from_main(uuid.uuid4().hex)}/"
+        store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if world_size > 1 else None
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_serve,
+            args=(theirs, os.getpid(), rank, world_size, store, prefix, timeout_s),
+            name=f"dtf-checkpoint-writer-{rank}",
+            daemon=True,
+        )
+        with main_script_hidden():
+            self._process.start()
+        theirs.close()
+        self._expected: deque[str] = deque()  # what was sent and not yet answered, in order
+        self._replies: deque[Any] = deque()  # answers received early (done), in the same order
+        # Before multiprocessing's own exit handler, which would wait for a writer that ignores SIGTERM.
+        atexit.register(self.close)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def submit(self, request: SaveRequest) -> None:
+        """Copies the request's state into the shared buffers and hands the save over; returns at
+        once. The previous save must be finished (result taken): its buffers are overwritten."""
+        assert "save" not in self._expected, "one save at a time"
+        staged = self._stager.stage(request.state)  # not a Future: staging is synchronous
+        self._conn.send(dataclasses.replace(request, state=cast(dict[str, Any], staged)))
+        self._expected.append("save")
+
+    def commit(self, request: CommitRequest) -> None:
+        """Hands a commit over (rank 0): the writer writes the marker before anything sent after it."""
+        self._conn.send(request)
+        self._expected.append("commit")
+
+    def done(self) -> bool:
+        """Whether the save in flight has been written (its result is waiting)."""
+        while self._expected and len(self._replies) < len(self._expected) and self._conn.poll():
+            self._replies.append(self._receive())
+        return "save" in list(self._expected)[: len(self._replies)]
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        """Waits for the save in flight: the records (size, CRC32) of the files this rank wrote.
+        Its failure is raised here."""
+        return self._take("save")
+
+    def take_commit(self) -> None:
+        """Waits for the commit in flight; its failure is raised here."""
+        self._take("commit")
+
+    def _take(self, kind: str) -> Any:
+        """The reply to the oldest message in flight, which must be of this kind (replies come in order)."""
+        assert self._expected and self._expected[0] == kind, f"no {kind} is the next in flight"
+        self._expected.popleft()
+        reply = self._replies.popleft() if self._replies else self._receive()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def _receive(self) -> Any:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise RuntimeError(
+                f"the checkpoint writer process (pid {self._process.pid}) died (exit code {self._process.exitcode})"
+            ) from None
+
+    def close(self) -> None:
+        """Ends the writer (after the save in flight, if any, whose result is then dropped)."""
+        atexit.unregister(self.close)
+        if self._conn.closed:
+            return
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(_STOP)
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._conn.close()
+        self._stager.close()
+
+
+def _serve(
+    conn: Connection,
+    parent: int,
+    rank: int,
+    world_size: int,
+    store: tuple[str, int] | None,
+    prefix: str,
+    timeout_s: float,
+) -> None:
+    """The writer process: writes each save it receives and answers with its records, and each
+    commit (rank 0) with None, or with the error of either."""
+    end_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # the rank died before the line above
+        return
+    ignore_stop_signals()
+    os.nice(WRITER_NICENESS)
+    torch.set_num_threads(1)
+    from dtf.train.checkpoint import CommitRequest, commit_files, write_files
+
+    joined = False
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the rank is gone
+            return
+        if isinstance(request, str) and request == _STOP:
+            return
+        try:
+            if isinstance(request, CommitRequest):  # rank 0's, once every rank's writer has written its part
+                commit_files(request)
+                reply: Any = None
+            else:
+                if store is not None and not joined:  # at the first save, on every rank's writer at once
+                    _join(rank, world_size, store, prefix, timeout_s)
+                    joined = True
+                reply = write_files(request, rank, world_size)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            reply = _portable(e)
+        conn.send(reply)
+
+
+def _join(rank: int, world_size: int, store: tuple[str, int], prefix: str, timeout_s: float) -> None:
+    """The writers' gloo group, through the rank group's store (as a client: nothing new listens)."""
+    timeout = timedelta(seconds=timeout_s)
+    client = dist.TCPStore(store[0], store[1], world_size, is_master=False, timeout=timeout)
+    group_store = dist.PrefixStore(prefix, client)
+    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """error, if it survives pickling to the rank; else a RuntimeError that says what it was."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.loads(ForkingPickler.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
