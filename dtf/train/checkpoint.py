@@ -314,6 +314,11 @@ class SaveRequest:
     path: Path
     state: dict[str, Any]  # DCP's: model and optimizer
     files: dict[str, bytes]  # dtf's own small files (rank_<r>.pt; trainer.pt on rank 0), serialized
+    collective = True  # every rank's writer at once (their group is joined for it)
+
+    def carry_out(self, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+        """What the writer process does with it (it knows requests by this method, not by their module)."""
+        return write_files(self, rank, world_size)
 
 
 @dataclass(frozen=True)
@@ -338,6 +343,10 @@ class CommitRequest:
     strategy: str
     files: dict[str, dict[str, Any]]  # every rank's records
     retention: Retention
+    collective = False  # rank 0's writer alone
+
+    def carry_out(self, rank: int, world_size: int) -> None:
+        commit_files(self)
 
 
 def commit_files(request: CommitRequest) -> None:

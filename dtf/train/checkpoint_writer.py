@@ -28,7 +28,7 @@ import uuid
 from collections import deque
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
 
-if TYPE_CHECKING:
-    from dtf.train.checkpoint import CommitRequest, SaveRequest
+
+class Request(Protocol):
+    """dtf.train.checkpoint's SaveRequest or CommitRequest (not imported: that module imports this one)."""
+
+    collective: bool
+
+    def carry_out(self, rank: int, world_size: int) -> Any: ...
+
 
 WRITER_NICENESS = 10  # a weight of 110 against a rank's 1024: a tenth of a core the ranks want
 _STOP = "stop"
@@ -84,7 +90,7 @@ class BackgroundWriter:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def submit(self, request: SaveRequest) -> None:
+    def submit(self, request: Any) -> None:
         """Copies the request's state into the shared buffers and hands the save over; returns at
         once. The previous save must be finished (result taken): its buffers are overwritten."""
         assert "save" not in self._expected, "one save at a time"
@@ -92,7 +98,7 @@ class BackgroundWriter:
         self._conn.send(dataclasses.replace(request, state=cast(dict[str, Any], staged)))
         self._expected.append("save")
 
-    def commit(self, request: CommitRequest) -> None:
+    def commit(self, request: Request) -> None:
         """Hands a commit over (rank 0): the writer writes the marker before anything sent after it."""
         self._conn.send(request)
         self._expected.append("commit")
@@ -163,8 +169,6 @@ def _serve(
     ignore_stop_signals()
     os.nice(WRITER_NICENESS)
     torch.set_num_threads(1)
-    from dtf.train.checkpoint import CommitRequest, commit_files, write_files
-
     joined = False
     while True:
         try:
@@ -174,14 +178,11 @@ def _serve(
         if isinstance(request, str) and request == _STOP:
             return
         try:
-            if isinstance(request, CommitRequest):  # rank 0's, once every rank's writer has written its part
-                commit_files(request)
-                reply: Any = None
-            else:
-                if store is not None and not joined:  # at the first save, on every rank's writer at once
-                    _join(rank, world_size, store, prefix, timeout_s)
-                    joined = True
-                reply = write_files(request, rank, world_size)
+            # A save on every rank's writer at once; a commit on rank 0's, once every writer has written its part.
+            if request.collective and store is not None and not joined:  # the writers' group, at the first save
+                _join(rank, world_size, store, prefix, timeout_s)
+                joined = True
+            reply: Any = request.carry_out(rank, world_size)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             reply = _portable(e)
         conn.send(reply)
