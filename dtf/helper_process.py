@@ -41,3 +41,25 @@ def end_with_parent(sig: signal.Signals) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def quiet_when_a_receiver_dies() -> None:
+    """In a DataLoader worker: a batch's tensors reach the rank as file descriptors that the worker's
+    resource sharer serves on a thread of its own. A rank that dies while it collects one (Ctrl-C
+    kills a rank at once) leaves that thread a reset or closed connection, which it printed as a
+    traceback after the run had already been reported as interrupted. Only that error, from only that
+    thread, is dropped; the worker ends with its rank as before."""
+    from multiprocessing import resource_sharer
+
+    sharer = getattr(resource_sharer, "_ResourceSharer", None)
+    serve = getattr(getattr(sharer, "_serve", None), "__code__", None)
+    if serve is None:  # another Python's multiprocessing: leave its reporting alone
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and tb is not None and tb.tb_frame.f_code is serve:
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -20,6 +20,7 @@ from dtf.data.interface import DataSplits, TrainData
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
+from dtf.helper_process import quiet_when_a_receiver_dies
 
 
 @dataclass
@@ -106,11 +107,13 @@ class LoaderEvalData:
         return self.sampler.num_real_in_batch(batch_index, self.batch_size)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
+def start_worker(worker_id: int) -> None:
     """worker_init_fn of the DataLoader workers: the rank handles stop signals, its workers ignore
     them (dtf.signals.ignore_stop_signals). Torch installs its own SIGTERM handler in a worker
-    before this runs; a worker still exits when the DataLoader shuts it down or the rank dies."""
+    before this runs; a worker still exits when the DataLoader shuts it down or the rank dies, and
+    says nothing of a rank that died while collecting a batch (helper_process.quiet_when_a_receiver_dies)."""
     signals.ignore_stop_signals()
+    quiet_when_a_receiver_dies()
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def eval_data(dataset: Dataset, cfg: LoaderDataConfig, env: DistEnv, seed: int) 
 def _loader_options(cfg: LoaderDataConfig, env: DistEnv) -> dict[str, Any]:
     return dict(
         num_workers=cfg.num_workers,
-        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
+        worker_init_fn=start_worker if cfg.num_workers > 0 else None,
         pin_memory=cfg.pin_memory and env.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )

@@ -3,6 +3,9 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -76,10 +79,42 @@ class _SignalsItselfOnce(torch.utils.data.TensorDataset):
         return super().__getitem__(i)
 
 
+_A_RANK_DIES_TAKING_A_BATCH = """
+import os, socket, sys, threading, time
+from multiprocessing import resource_sharer
+from dtf.data.loader import start_worker
+
+start_worker(0)
+# A batch's tensors reach the rank as file descriptors served by the worker's resource sharer (torch's
+# default sharing strategy). The rank connects, is killed (Ctrl-C) before it reads the challenge, and
+# its socket closes with data unread: the serving thread sees the connection reset.
+shared = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))
+address = shared._id[0]
+rank = socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET)
+rank.connect(address)
+time.sleep(0.2)
+rank.close()
+time.sleep(0.2)
+failing = threading.Thread(target=lambda: 1 / 0)  # any other error is still printed
+failing.start()
+failing.join()
+print("served")
+"""
+
+
+def test_a_worker_prints_nothing_when_its_rank_dies_while_taking_a_batch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_A_RANK_DIES_TAKING_A_BATCH)], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout == "served\n", done.stderr
+    assert "ConnectionResetError" not in done.stderr and "resource_sharer" not in done.stderr, done.stderr
+    assert "ZeroDivisionError" in done.stderr
+
+
 def test_dataloader_workers_survive_slurms_warning_signal() -> None:
-    from dtf.data.loader import ignore_stop_signals
+    from dtf.data.loader import start_worker
 
     loader = torch.utils.data.DataLoader(
-        _SignalsItselfOnce(torch.arange(8.0)), batch_size=2, num_workers=1, worker_init_fn=ignore_stop_signals
+        _SignalsItselfOnce(torch.arange(8.0)), batch_size=2, num_workers=1, worker_init_fn=start_worker
     )
     assert [b[0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
