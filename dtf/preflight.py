@@ -96,6 +96,11 @@ def _check_sizes(run: RunConfig) -> None:
 
     if isinstance(run.launcher, LocalLauncherConfig):
         elastic.rdzv_configs(run.launcher.rdzv_configs)
+        if run.launcher.rdzv_configs and run.launcher.node_range() == (1, 1):
+            raise UserError(
+                f"launcher.rdzv_configs.{next(iter(run.launcher.rdzv_configs))}: the rendezvous settings have no "
+                "effect on one node (launcher.nnodes=1): remove them, or give launcher.nnodes=N or MIN:MAX"
+            )
     world = expected_world_size(run.launcher)
     if elastic.plan(run, world if dist_env.launched_externally() else None) is not None and world is not None:
         elastic.apply(run, world)

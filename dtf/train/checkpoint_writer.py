@@ -1,11 +1,16 @@
 """checkpoint.async_save: a process beside each rank writes its checkpoints while the rank trains.
 
-The rank only copies its state into memory that the process shares (torch's DefaultStager, which
-reuses the same buffers from one save to the next; pinned on CUDA, where the copy leaves the GPU)
-and hands it over: the loop is held up for that copy alone. The writer process then does what a
-synchronous save does (dtf.train.checkpoint.write_files: the small files, DCP's shards through its
-own gloo group, the CRC32 of every file it wrote) and answers with the checksums; the commit
-marker is written by the ranks as before, once every rank's writer has finished.
+The rank only copies its state into memory that the process shares and hands it over: the loop
+is held up for that copy alone. On CPU, a state of plain tensors in dicts and lists (DDP's, ZeRO's
+model) is copied into buffers made once and handed to the writer once (StateBuffers); each later
+save sends only what is not a tensor (the learning rate, the parameter names). Anything else (GPU
+memory, DTensor shards) goes through torch's DefaultStager, which pins on CUDA and also reuses its
+buffers, but deep-copies the state and passes every buffer's file descriptor again at each save.
+
+The writer process then does what a synchronous save does (dtf.train.checkpoint.write_files:
+the small files, DCP's shards through its own gloo group, the CRC32 of every file it wrote) and
+answers with the checksums; the commit marker is written by the ranks as before, once every
+rank's writer has finished.
 
 A process, not a thread (as DCP's own `async_save(..., async_checkpointer_type=PROCESS)`): a
 thread's writing and pickling holds the GIL the training loop needs, and cannot be given a lower
@@ -25,7 +30,7 @@ import multiprocessing
 import os
 import signal
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, cast
@@ -58,7 +63,8 @@ class BackgroundWriter:
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
         from dtf.dist.env import broadcast_from_main
 
-        on_gpu = device.type == "cuda"
+        on_gpu = self._on_gpu = device.type == "cuda"
+        self._buffers = StateBuffers()
         self._stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=on_gpu,
@@ -94,7 +100,9 @@ class BackgroundWriter:
         """Copies the request's state into the shared buffers and hands the save over; returns at
         once. The previous save must be finished (result taken): its buffers are overwritten."""
         assert "save" not in self._expected, "one save at a time"
-        staged = self._stager.stage(request.state)  # not a Future: staging is synchronous
+        staged: Any = None if self._on_gpu else self._buffers.stage(request.state)
+        if staged is None:
+            staged = self._stager.stage(request.state)  # not a Future: staging is synchronous
         self._conn.send(dataclasses.replace(request, state=cast(dict[str, Any], staged)))
         self._expected.append("save")
 
@@ -170,6 +178,7 @@ def _serve(
     os.nice(WRITER_NICENESS)
     torch.set_num_threads(1)
     joined = False
+    buffers: list[torch.Tensor] = []  # StateBuffers': the rank sends them once
     while True:
         try:
             request = conn.recv()
@@ -182,10 +191,91 @@ def _serve(
             if request.collective and store is not None and not joined:  # the writers' group, at the first save
                 _join(rank, world_size, store, prefix, timeout_s)
                 joined = True
+            staged = getattr(request, "state", None)
+            if isinstance(staged, Staged):
+                buffers = staged.buffers if staged.buffers is not None else buffers
+                request = dataclasses.replace(request, state=staged.rebuild(buffers))
             reply: Any = request.carry_out(rank, world_size)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             reply = _portable(e)
         conn.send(reply)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of the state was: the writer's buffer of this index holds its copy."""
+
+    index: int
+
+
+@dataclasses.dataclass
+class Staged:
+    """A state as StateBuffers hands it over: its structure with _Slots for tensors, and the
+    buffers themselves when they are new (else the writer uses those it was sent before)."""
+
+    skeleton: Any
+    buffers: list[torch.Tensor] | None
+
+    def rebuild(self, buffers: list[torch.Tensor]) -> Any:
+        def fill(obj: Any) -> Any:
+            if isinstance(obj, _Slot):
+                return buffers[obj.index]
+            if type(obj) in _MAPPINGS:
+                return type(obj)((k, fill(v)) for k, v in obj.items())
+            if type(obj) in (list, tuple):
+                return type(obj)(fill(v) for v in obj)
+            return obj
+
+        return fill(self.skeleton)
+
+
+_ATOMS = (str, int, float, bool, bytes, type(None))
+_MAPPINGS = (dict, OrderedDict)  # a module's state_dict() is an OrderedDict
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class StateBuffers:
+    """The copy of a CPU state made for the writer, into shared-memory buffers allocated at the
+    first save and reused while the state keeps its shapes (a new layout gets new buffers)."""
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def stage(self, state: Any) -> Staged | None:
+        """state copied (None: it holds something other than plain CPU tensors, dicts, lists and
+        scalars, which DefaultStager copies instead)."""
+        tensors: list[torch.Tensor] = []
+        try:
+            skeleton = _split(state, tensors)
+        except _NotPlain:
+            return None
+        layout = [(t.shape, t.dtype) for t in tensors]
+        new = layout != self._layout
+        if new:
+            self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
+            self._layout = layout
+        with torch.no_grad():
+            for buffer, tensor in zip(self._buffers, tensors, strict=True):
+                buffer.copy_(tensor)
+        return Staged(skeleton, self._buffers if new else None)
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """obj with each tensor replaced by a _Slot (the tensors appended to tensors, in order)."""
+    if type(obj) is torch.Tensor and obj.device.type == "cpu":
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if type(obj) in _MAPPINGS:
+        return type(obj)((k, _split(v, tensors)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_split(v, tensors) for v in obj)
+    if isinstance(obj, _ATOMS):
+        return obj
+    raise _NotPlain  # a tensor subclass, or an object that may hold tensors: DefaultStager copies it
 
 
 def _join(rank: int, world_size: int, store: tuple[str, int], prefix: str, timeout_s: float) -> None:

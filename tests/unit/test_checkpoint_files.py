@@ -184,24 +184,56 @@ def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
     sync = Checkpointer(CheckpointConfig(), tmp_path / "sync", _env(), strategy_name="ddp")
-    sync.write(5, app_state(), {"step": 5})
     in_background = Checkpointer(CheckpointConfig(async_save=True), tmp_path / "async", _env(), strategy_name="ddp")
+    paths = []
     try:
         assert in_background.writer is not None and in_background.writer.pid not in (None, os.getpid())
-        path = in_background.write(5, app_state(), {"step": 5})
-        assert in_background.background_step == 5 and not (path / MARKER).exists()  # written, not yet committed
-        with torch.no_grad():  # training goes on at once: the save holds the state as it was at write
-            for p in model.parameters():
-                p.add_(1.0)
+        for step in (5, 6):  # the second save reuses the writer's buffers and sends only what is not a tensor
+            sync.write(step, app_state(), {"step": step})
+            paths.append(in_background.write(step, app_state(), {"step": step}))
+            assert in_background.background_step == step and not (paths[-1] / MARKER).exists()  # not yet committed
+            with torch.no_grad():  # training goes on at once: the save holds the state as it was at write
+                for p in model.parameters():
+                    p.add_(1.0)
+            optimizer.param_groups[0]["lr"] /= 2
         in_background.close()
     finally:
         if in_background.writer is not None:
             in_background.writer.close()
-    assert verify(path) == (True, "")
-    assert read_marker(path).files.keys() == read_marker(sync.path_of(5)).files.keys()
-    assert torch.load(path / "trainer.pt", weights_only=True) == {"step": 5}
-    loaded = [copy.deepcopy(app_state()), copy.deepcopy(app_state())]  # filled in place, from each checkpoint
-    for state, where in zip(loaded, (sync.path_of(5), path), strict=True):
-        load_app_state(where, state)
-    torch.testing.assert_close(loaded[0], loaded[1], rtol=0, atol=0)
+    for step, path in zip((5, 6), paths, strict=True):
+        assert verify(path) == (True, "")
+        assert read_marker(path).files.keys() == read_marker(sync.path_of(step)).files.keys()
+        assert torch.load(path / "trainer.pt", weights_only=True) == {"step": step}
+        loaded = [copy.deepcopy(app_state()), copy.deepcopy(app_state())]  # filled in place, from each checkpoint
+        for state, where in zip(loaded, (sync.path_of(step), path), strict=True):
+            load_app_state(where, state)
+        torch.testing.assert_close(loaded[0], loaded[1], rtol=0, atol=0)
+        assert loaded[1]["optim"]["param_groups"][0]["lr"] == 1e-3 / 2 ** (step - 5)
     assert not torch.equal(loaded[1]["model"]["0.weight"], model.state_dict()["0.weight"])  # not the live state
+
+
+def test_the_writers_buffers_are_made_once_per_layout_and_all_but_plain_cpu_tensors_go_to_torchs_stager() -> None:
+    from torch.distributed.tensor import DTensor
+
+    from dtf.train.checkpoint_writer import StateBuffers
+
+    buffers = StateBuffers()
+    state = {"w": torch.arange(6.0).reshape(2, 3).t(), "groups": [{"lr": 0.1, "params": ["w"]}], "step": (3, None)}
+    first = buffers.stage(state)
+    assert first is not None and first.buffers is not None
+    state["w"].add_(1.0)
+    state["groups"][0]["lr"] = 0.05
+    second = buffers.stage(state)
+    assert second is not None and second.buffers is None  # the writer keeps the buffers it was sent
+    state["w"].add_(1.0)  # after the copy: the staged state does not change
+    rebuilt = second.rebuild(first.buffers)
+    assert torch.equal(rebuilt["w"], torch.arange(6.0).reshape(2, 3).t() + 1)
+    assert rebuilt["groups"] == [{"lr": 0.05, "params": ["w"]}] and rebuilt["step"] == (3, None)
+    assert first.buffers[0].is_shared()
+    grown = buffers.stage({**state, "w": torch.zeros(4)})
+    assert grown is not None and grown.buffers is not None and grown.buffers[0].shape == (4,)
+    assert buffers.stage({"w": torch.zeros(2).as_subclass(DTensor)}) is None
+    assert buffers.stage({"w": torch.nn.Linear(2, 2)}) is None  # an object that may hold tensors
+    linear = torch.nn.Linear(2, 2)
+    module_state = {"model": linear.state_dict(), "optim": torch.optim.Adam(linear.parameters()).state_dict()}
+    assert buffers.stage(module_state) is not None  # a module's OrderedDict and an optimizer's state

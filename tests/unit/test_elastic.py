@@ -74,6 +74,7 @@ def test_parquet_partitions_fit_every_admitted_size() -> None:
         (["launcher.nproc=3", "data.global_batch_size=64"], "data.global_batch_size=64: no world size of this run"),
         (["data.global_batch_size=0"], "data.global_batch_size=0 is invalid"),
         (["launcher.nnodes=1:2", "+launcher.rdzv_configs.join_timout=5"], "launcher.rdzv_configs.join_timout is not"),
+        (["+launcher.rdzv_configs.join_timeout=5"], "launcher.rdzv_configs.join_timeout: the rendezvous settings have"),
         (["launcher=slurm", "launcher.nodes=1:2"], "launcher.nodes=1:2: a SLURM job keeps the nodes it starts on"),
     ],
 )
