@@ -131,7 +131,7 @@ def _acquire(fd: int, path: Path, key: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         locked = True
     except BlockingIOError:
-        raise _refusal(path, key, _read(fd)) from None
+        raise _refusal(path, key, _read_settled(fd)) from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
@@ -145,21 +145,34 @@ def _acquire(fd: int, path: Path, key: str) -> None:
         raise _refusal(path, key, record)
     if time.time() - float(record.get("beat", 0)) > STALE_S:
         return
-    if _beats_on(fd, record):  # another host's run, whose lock this node may not see
-        raise _refusal(path, key, _read(fd))
+    moved = _beats_on(fd, record)
+    if moved is not None:  # another host's run, whose lock this node may not see
+        raise _refusal(path, key, moved)
 
 
-def _beats_on(fd: int, record: dict[str, Any]) -> bool:
-    """Whether the holder's heartbeat moves within STALE_S (it is alive)."""
+def _beats_on(fd: int, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The holder's record if its heartbeat moves within STALE_S (it is alive), else None. A read
+    that finds the record empty (the heartbeat truncates, then writes) counts as a move, and the
+    record is then the one read before."""
     deadline = time.monotonic() + STALE_S
     while time.monotonic() < deadline:
         time.sleep(min(1.0, BEAT_S / 5))
         now = _read(fd)
         if now.get("ended"):
-            return False
+            return None
         if now.get("beat") != record.get("beat"):
-            return True
-    return False
+            return now or record
+    return None
+
+
+def _read_settled(fd: int) -> dict[str, Any]:
+    """The holder's record, read again for a moment while its heartbeat has it half written."""
+    for _ in range(20):
+        record = _read(fd)
+        if record:
+            return record
+        time.sleep(0.01)
+    return {}
 
 
 def _read(fd: int) -> dict[str, Any]:

@@ -100,6 +100,18 @@ def test_another_hosts_record_whose_heartbeat_moves_refuses_and_one_whose_does_n
             assert time.monotonic() - started < 0.5
 
 
+def test_the_refusal_names_another_hosts_run_caught_rewriting_its_record(
+    tmp_path: Path, quick_heartbeat: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A heartbeat truncates the record, then writes it: a read in between finds the file empty.
+    beating = {"host": "node-elsewhere", "pid": 4242, "since": time.time(), "beat": time.time(), "ended": False}
+    _record(tmp_path, **beating)
+    reads = iter([beating, {**beating, "beat": beating["beat"] + 1}])
+    monkeypatch.setattr(rundir, "_read", lambda fd: next(reads, {}))
+    with pytest.raises(UserError, match="pid 4242 on host node-elsewhere"):
+        rundir.hold(tmp_path)
+
+
 def test_without_file_locks_a_live_pid_on_this_host_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
