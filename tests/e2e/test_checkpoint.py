@@ -6,6 +6,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,12 +36,9 @@ N, K = 100, 45  # K is in the middle of the second epoch
 
 STRATEGIES = {
     "ddp": ["strategy=ddp"],
-    "zero1": ["strategy=zero", "strategy.stage=1"],
     "zero3": ["strategy=zero", "strategy.stage=3"],
     "fsdp": ["strategy=fsdp"],
     "mics": ["strategy=mics", "strategy.partition_group_size=2", "launcher.nproc=4"],
-    # written in the background, committed once every rank is done
-    "ddp_async": ["strategy=ddp", "checkpoint.async_save=true"],
 }
 
 
@@ -96,10 +94,10 @@ def _resume_on_ranks(
 @pytest.mark.parametrize(
     "name",
     [
+        # zero1's resume is test_zero1_resume_inside_the_warmup's (bit for bit, mid-epoch); an asynchronous
+        # save's, test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run[async]'s
         "ddp",
-        "zero1",
         "fsdp",
-        "ddp_async",
         # zero2 checkpoints as zero3 does (FSDP2 either way, only resharding after forward differs)
         pytest.param("zero3", marks=pytest.mark.slow),
         pytest.param("mics", marks=pytest.mark.slow),
@@ -109,7 +107,7 @@ def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
     tmp_path: Path, name: str, straight_ddp: DtfRun, capfd: pytest.CaptureFixture[str]
 ) -> None:
     args = [*COMMON, *STRATEGIES[name]]
-    if name in ("ddp", "ddp_async"):  # through the command line, as a user resumes
+    if name == "ddp":  # through the command line, as a user resumes
         straight = straight_ddp
         first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed")).summary
         resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
@@ -303,13 +301,13 @@ def _contents(root: Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
 
-def test_resume_never_starts_fresh(tmp_path: Path) -> None:
-    _ok(run_dtf([*COMMON, "trainer.max_steps=30"], tmp_path / "run"))
+def test_resume_never_starts_fresh(tmp_path: Path, straight_ddp: DtfRun) -> None:
+    shutil.copytree(straight_ddp.run_dir, tmp_path / "run")  # a run's dir with its checkpoints
     # A resume after the model changed shape: one line naming the first tensor that differs and both
     # shapes, bad input (2), and the checkpoints left as they were.
     checkpoints = _contents(tmp_path / "run" / "checkpoints")
-    other = run_dtf([*COMMON, "trainer.max_steps=30", "model.hidden=64"], tmp_path / "run")
-    newest = tmp_path / "run" / "checkpoints" / f"step_{30:09d}"
+    other = run_dtf([*COMMON, f"trainer.max_steps={N}", "model.hidden=64"], tmp_path / "run")
+    newest = tmp_path / "run" / "checkpoints" / f"step_{N:09d}"
     assert other.returncode == 2, other.stderr[-3000:]
     assert other.stderr.strip().splitlines() == [
         f"dtf: error: checkpoint {newest} does not fit this run: model.net.0.weight has the shape [100, 2] there "
@@ -351,7 +349,6 @@ def _leaves(obj: Any) -> list[Any]:
 
 
 def _user_namespaces() -> bool:
-    import shutil
 
     return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
 

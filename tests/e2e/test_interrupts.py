@@ -126,12 +126,12 @@ def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path
     assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1 after a stop"), last
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+# Each kind of worker process with one of the two stop signals (the workers ignore every stop signal alike).
 @pytest.mark.parametrize(
-    "args",
+    ("args", "sig"),
     [
-        ("data.num_workers=2",),  # DataLoader worker processes
-        ("data=petastorm", "data.reader_pool_type=process"),  # Petastorm's reader processes (path set below)
+        (("data.num_workers=2",), signal.SIGTERM),  # DataLoader worker processes
+        (("data=petastorm", "data.reader_pool_type=process"), signal.SIGUSR1),  # Petastorm's readers (path below)
     ],
 )
 def test_a_stop_signal_to_every_process_stops_cleanly_with_worker_processes(

@@ -19,8 +19,8 @@ import optuna
 import pytest
 
 from dtf.sweep.study import open_storage
-from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, run_dtf
-from tests.helpers.clusters import preempt_and_requeue, run_script, script_cluster
+from tests.conftest import SHORT_RUN, DtfRun, run_dtf
+from tests.helpers.clusters import run_script, script_cluster
 
 SHORT = SHORT_RUN
 
@@ -76,19 +76,8 @@ def test_not_waiting_says_where_the_result_will_land_and_how_to_follow_the_job(t
     assert json.loads(summary.read_text())["slurm_job_id"] == job
 
 
-def test_a_preempted_job_checkpoints_requeues_and_ends_as_the_uninterrupted_run(tmp_path: Path) -> None:
-    # forwards sleep, so the run lasts long enough for a signal from outside to land mid-run
-    args = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1", *SHORT, "trainer.max_steps=100"]
-    straight = _ok(run_dtf(args, tmp_path / "straight"))
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, "+model.delay_s=0.05", "launcher=slurm"]
-    run_dir = tmp_path / "preempted"
-    text = preempt_and_requeue(cmd, run_dir, tmp_path / "preempted.out")
-    stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", text)
-    assert stopped, text[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from_step"] == int(stopped.group(1)) and summary["slurm_restarts"] == 1
-    assert summary["params_sha256"] == straight.summary["params_sha256"]
-    assert summary["train_loss_per_epoch"] == straight.summary["train_loss_per_epoch"]
+# A preempted job (SIGTERM before the time limit, scontrol requeue) that checkpoints, is requeued and
+# ends as the uninterrupted run: tests/e2e/test_multinode.py's, on two nodes.
 
 
 def test_a_sweep_submits_one_job_per_point_and_collects_them(tmp_path: Path) -> None:

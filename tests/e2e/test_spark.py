@@ -102,7 +102,7 @@ def test_an_unreachable_master_is_one_line(dtf) -> None:  # type: ignore[no-unty
 
 
 # How long a run waits for executors to register (dtf's default: 60 s), shorter for a test.
-WAITING = "+launcher.spark_conf={spark.scheduler.maxRegisteredResourcesWaitingTime: 20s}"
+WAITING = "+launcher.spark_conf={spark.scheduler.maxRegisteredResourcesWaitingTime: 8s}"
 
 
 def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, master: str) -> None:
@@ -111,7 +111,7 @@ def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, maste
     run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3", WAITING], tmp_path / "run")
     assert run.returncode == 2, run.stderr
     assert re.fullmatch(  # 2 once both executors have registered (on a busy machine, maybe not yet)
-        r"dtf: error: launcher\.nproc=3 is more than the Spark cluster's task slots: it had [012] after waiting 20 s "
+        r"dtf: error: launcher\.nproc=3 is more than the Spark cluster's task slots: it had [012] after waiting 8 s "
         r"for executors to register \(spark\.scheduler\.maxRegisteredResourcesWaitingTime\); a barrier stage needs "
         r"one for every rank at once: lower launcher\.nproc or add executors/cores",
         run.stderr.strip().splitlines()[-1],
