@@ -349,7 +349,6 @@ def _leaves(obj: Any) -> list[Any]:
 
 
 def _user_namespaces() -> bool:
-
     return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
 
 
