@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import signal
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, cast
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the reductions that pass tensors through shared memory
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.utils._pytree import tree_map
 
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
@@ -217,20 +218,10 @@ class Staged:
     buffers: list[torch.Tensor] | None
 
     def rebuild(self, buffers: list[torch.Tensor]) -> Any:
-        def fill(obj: Any) -> Any:
-            if isinstance(obj, _Slot):
-                return buffers[obj.index]
-            if type(obj) in _MAPPINGS:
-                return type(obj)((k, fill(v)) for k, v in obj.items())
-            if type(obj) in (list, tuple):
-                return type(obj)(fill(v) for v in obj)
-            return obj
-
-        return fill(self.skeleton)
+        return tree_map(lambda leaf: buffers[leaf.index] if isinstance(leaf, _Slot) else leaf, self.skeleton)
 
 
 _ATOMS = (str, int, float, bool, bytes, type(None))
-_MAPPINGS = (dict, OrderedDict)  # a module's state_dict() is an OrderedDict
 
 
 class _NotPlain(Exception):
@@ -242,40 +233,34 @@ class StateBuffers:
     first save and reused while the state keeps its shapes (a new layout gets new buffers)."""
 
     def __init__(self) -> None:
-        self._layout: list[tuple[torch.Size, torch.dtype]] | None = None
         self._buffers: list[torch.Tensor] = []
 
     def stage(self, state: Any) -> Staged | None:
-        """state copied (None: it holds something other than plain CPU tensors, dicts, lists and
-        scalars, which DefaultStager copies instead)."""
+        """state copied (None: it holds something other than plain CPU tensors in containers, and
+        scalars, which DefaultStager copies instead: a tensor subclass, or an object that may hold
+        tensors)."""
         tensors: list[torch.Tensor] = []
+
+        def slot(leaf: Any) -> Any:
+            if type(leaf) is torch.Tensor and leaf.device.type == "cpu":
+                tensors.append(leaf)
+                return _Slot(len(tensors) - 1)
+            if isinstance(leaf, _ATOMS):
+                return leaf
+            raise _NotPlain
+
         try:
-            skeleton = _split(state, tensors)
+            skeleton = tree_map(slot, state)
         except _NotPlain:
             return None
         layout = [(t.shape, t.dtype) for t in tensors]
-        new = layout != self._layout
+        new = layout != [(b.shape, b.dtype) for b in self._buffers]
         if new:
             self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
-            self._layout = layout
         with torch.no_grad():
             for buffer, tensor in zip(self._buffers, tensors, strict=True):
                 buffer.copy_(tensor)
         return Staged(skeleton, self._buffers if new else None)
-
-
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """obj with each tensor replaced by a _Slot (the tensors appended to tensors, in order)."""
-    if type(obj) is torch.Tensor and obj.device.type == "cpu":
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if type(obj) in _MAPPINGS:
-        return type(obj)((k, _split(v, tensors)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_split(v, tensors) for v in obj)
-    if isinstance(obj, _ATOMS):
-        return obj
-    raise _NotPlain  # a tensor subclass, or an object that may hold tensors: DefaultStager copies it
 
 
 def _join(rank: int, world_size: int, store: tuple[str, int], prefix: str, timeout_s: float) -> None:
