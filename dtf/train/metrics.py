@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torchmetrics import Metric
 
 from dtf.errors import UserError
+
+if TYPE_CHECKING:  # torchmetrics takes 2-3 s to import (it imports transformers and scipy when installed):
+    from torchmetrics import Metric  # only runs with metrics do, when instantiate builds them
 
 
 class MeanMetric:

@@ -141,3 +141,14 @@ def test_metrics_and_objectives_that_fit_are_accepted() -> None:
     _validate("+experiment=digits_cnn", "metrics=[accuracy,f1,auroc]", "trainer.objective=test/f1")
     _validate("trainer.objective=train/rmse", "trainer.train_metrics=true")
     _validate("metrics=none", "loss=nll", "trainer.objective=train/loss")
+
+
+def test_a_rank_imports_torchmetrics_only_for_a_run_with_metrics() -> None:
+    # torchmetrics takes 2-3 s to import here (it imports transformers and scipy.signal when they are
+    # installed): a function run or metrics=none must not pay it on every rank.
+    import subprocess
+    import sys
+
+    code = "import sys, dtf.train.loop, dtf.train.function; print('torchmetrics' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
