@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
@@ -314,6 +315,7 @@ class SaveRequest:
     path: Path
     state: dict[str, Any]  # DCP's: model and optimizer
     files: dict[str, bytes]  # dtf's own small files (rank_<r>.pt; trainer.pt on rank 0), serialized
+    planner: SavePlanner | None = None  # DCP's default unless the writer process sets its own
     collective = True  # every rank's writer at once (their group is joined for it)
 
     def carry_out(self, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
@@ -389,7 +391,7 @@ def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, d
         dist.barrier()
     for name, data in request.files.items():
         write_atomically(path / name, data, durable=True)
-    dcp.save(request.state, checkpoint_id=str(path))
+    dcp.save(request.state, checkpoint_id=str(path), planner=request.planner)
     mine = (f"__{rank}_", f"rank_{rank}.pt", *((".metadata", TRAINER_FILE) if rank == 0 else ()))
     return {f.name: file_record(f) for f in path.iterdir() if f.is_file() and f.name.startswith(mine)}
 

@@ -3,7 +3,10 @@
 The rank only copies its state into memory that the process shares and hands it over: the loop
 is held up for that copy alone. On CPU, a state of plain tensors in dicts and lists (DDP's, ZeRO's
 model) is copied into buffers made once and handed to the writer once (StateBuffers); each later
-save sends only what is not a tensor (the learning rate, the parameter names). Anything else (GPU
+save sends only what is not a tensor (the learning rate, the parameter names), and copies only the
+tensors this rank's writer writes: DCP gives each tensor that several ranks hold (DDP's replicas) to
+one of them, the same ones at every save of the same state, which the writer reports after the
+first (WrittenBuffers), so each of 2 DDP ranks copies about half its state. Anything else (GPU
 memory, DTensor shards) goes through torch's DefaultStager, which pins on CUDA and also reuses its
 buffers, but deep-copies the state and passes every buffer's file descriptor again at each save.
 
@@ -38,8 +41,10 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the reductions that pass tensors through shared memory
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map, tree_structure
 
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
@@ -134,6 +139,9 @@ class BackgroundWriter:
         reply = self._replies.popleft() if self._replies else self._receive()
         if isinstance(reply, BaseException):
             raise reply
+        if isinstance(reply, Written):
+            self._buffers.learn(reply.buffers)
+            return reply.records
         return reply
 
     def _receive(self) -> Any:
@@ -193,10 +201,14 @@ def _serve(
                 _join(rank, world_size, store, prefix, timeout_s)
                 joined = True
             staged = getattr(request, "state", None)
+            planner: WrittenBuffers | None = None
             if isinstance(staged, Staged):
                 buffers = staged.buffers if staged.buffers is not None else buffers
-                request = dataclasses.replace(request, state=staged.rebuild(buffers))
+                planner = WrittenBuffers(buffers, staged.fresh)
+                request = dataclasses.replace(request, state=staged.rebuild(buffers), planner=planner)
             reply: Any = request.carry_out(rank, world_size)
+            if planner is not None:
+                reply = Written(reply, planner.written)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             reply = _portable(e)
         conn.send(reply)
@@ -216,6 +228,7 @@ class Staged:
 
     skeleton: Any
     buffers: list[torch.Tensor] | None
+    fresh: frozenset[int] | None  # the buffers copied for this save (None: all)
 
     def rebuild(self, buffers: list[torch.Tensor]) -> Any:
         return tree_map(lambda leaf: buffers[leaf.index] if isinstance(leaf, _Slot) else leaf, self.skeleton)
@@ -230,10 +243,13 @@ class _NotPlain(Exception):
 
 class StateBuffers:
     """The copy of a CPU state made for the writer, into shared-memory buffers allocated at the
-    first save and reused while the state keeps its shapes (a new layout gets new buffers)."""
+    first save and reused while the state keeps its structure and shapes (a new layout gets new
+    buffers). Once the writer has said which buffers it writes (learn), only those are copied."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self._layout: Any = None
+        self._written: frozenset[int] | None = None  # of the current buffers (None: not known yet)
 
     def stage(self, state: Any) -> Staged | None:
         """state copied (None: it holds something other than plain CPU tensors in containers, and
@@ -253,14 +269,57 @@ class StateBuffers:
             skeleton = tree_map(slot, state)
         except _NotPlain:
             return None
-        layout = [(t.shape, t.dtype) for t in tensors]
-        new = layout != [(b.shape, b.dtype) for b in self._buffers]
+        # The keys too: which tensors DCP gives this rank depends on their names as well as their sizes.
+        layout = (tree_structure(state), [(t.shape, t.dtype) for t in tensors])
+        new = layout != self._layout
         if new:
-            self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
+            self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout[1]]
+            self._layout, self._written = layout, None
+        fresh = self._written
         with torch.no_grad():
-            for buffer, tensor in zip(self._buffers, tensors, strict=True):
-                buffer.copy_(tensor)
-        return Staged(skeleton, self._buffers if new else None)
+            for i, (buffer, tensor) in enumerate(zip(self._buffers, tensors, strict=True)):
+                if fresh is None or i in fresh:
+                    buffer.copy_(tensor)
+        return Staged(skeleton, self._buffers if new else None, fresh)
+
+    def learn(self, written: frozenset[int]) -> None:
+        """The buffers the writer wrote at the last save: the only ones the next saves copy."""
+        self._written = written
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A save's reply from the writer: the records of its files, and the buffers it wrote."""
+
+    records: dict[str, dict[str, Any]]
+    buffers: frozenset[int]
+
+
+class WrittenBuffers(DefaultSavePlanner):
+    """DCP's default planner, which also notes the shared buffers this rank writes once DCP has
+    given each replicated tensor to one rank, and refuses to write one not copied for this save."""
+
+    def __init__(self, buffers: list[torch.Tensor], fresh: frozenset[int] | None) -> None:
+        super().__init__()
+        self._index = {b.data_ptr(): i for i, b in enumerate(buffers) if b.numel()}  # empty ones hold nothing
+        self._fresh = fresh
+        self.written: frozenset[int] = frozenset()
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        written = set()
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                found = self._index.get(self.lookup_object(item.index).data_ptr())
+                if found is not None:
+                    written.add(found)
+        if self._fresh is not None and not written <= self._fresh:
+            # Never expected (the same state gets the same plan); a stale copy must not be written.
+            raise RuntimeError(
+                f"DCP gave this rank {len(written - self._fresh)} tensor(s) it did not copy for this save"
+            )
+        self.written = frozenset(written)
+        return plan
 
 
 def _join(rank: int, world_size: int, store: tuple[str, int], prefix: str, timeout_s: float) -> None:
