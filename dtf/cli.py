@@ -57,14 +57,15 @@ def freeze(cfg: DictConfig) -> RunConfig:
     """Resolve, check (UserError: one line) and freeze the config; returns it typed."""
     absolute_pythonpath()
     OmegaConf.resolve(cfg)
-    run = check(cfg)
+    run = check(cfg, starting=True)
     OmegaConf.set_readonly(cfg, True)
     return run
 
 
-def check(cfg: DictConfig) -> RunConfig:
-    """Every check a run makes on the driver before anything starts (dtf.validate from Python)."""
-    run = validate(cfg)
+def check(cfg: DictConfig, starting: bool = False) -> RunConfig:
+    """Every check a run makes on the driver before anything starts (dtf.validate from Python, which
+    makes them all; starting: a run starts now, and leaves to its ranks what they check as they start)."""
+    run = validate(cfg, starting)
     hydra_sweep.check_direction(run.trainer.objective_mode.value)
     return run
 

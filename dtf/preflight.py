@@ -43,8 +43,10 @@ from dtf.errors import UserError, require
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 
 
-def validate(cfg: DictConfig) -> RunConfig:
-    """Refuse a bad config in one line, before any process starts; returns it typed."""
+def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
+    """Refuse a bad config in one line, before any process starts; returns it typed. starting: a
+    run starts now, and the metrics' classes may be left to its ranks if they start here at once
+    (check_metric_classes); else every check is made here."""
     for key in map(str, cfg):
         if key not in SECTIONS:
             raise UserError(unknown_top_level_line(key))
@@ -64,7 +66,8 @@ def validate(cfg: DictConfig) -> RunConfig:
         open_sources(run.data, expected_world_size(run.launcher))
         check_canonical_partitions(run, None)
     _check_strategy(cfg, run)
-    _check_metrics(cfg, run.trainer)
+    metric_classes = not (starting and isinstance(run.launcher, LocalLauncherConfig))
+    _check_metrics(cfg, run.trainer, classes=metric_classes)
     _check_performance_switches(cfg, run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
@@ -80,7 +83,7 @@ def validate(cfg: DictConfig) -> RunConfig:
             "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
             "(called on every rank as fn(module, hparams, train_set, test_set))"
         )
-    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer", "metrics"):
+    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):  # metrics: above
         node = cfg.get(section)
         if node is not None:
             for path, target_node in _targets(node, section):
@@ -320,31 +323,26 @@ def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
     )
 
 
-def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
-    """Each metric a torchmetrics Metric that fits the loss, and an objective that names one."""
+def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
+    """Each metric a config with a _target_ (with classes: a torchmetrics Metric that fits the
+    loss, see check_metric_classes), and an objective that names one."""
     metrics = cfg.get("metrics")
     if metrics is None:
         metrics = OmegaConf.create({})
     if not isinstance(metrics, DictConfig):
         raise UserError("metrics must map names to metric configs (metrics=rmse, metrics=[accuracy,f1], metrics=none)")
-    loss = _located(cfg.loss) if isinstance(cfg.get("loss"), DictConfig) and "_target_" in cfg.loss else None
     for name, node in metrics.items():
         key = "metrics." + str(name)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise UserError(
                 f"{key} has no _target_: give a torchmetrics class, e.g. {key}._target_=torchmetrics.MeanMetric"
             )
-        _check_target(key, node)
-        cls = _located(node)
-        from torchmetrics import Metric  # only when metrics are configured
-
-        if not (isinstance(cls, type) and issubclass(cls, Metric)):
-            raise UserError(f"{key}._target_={node._target_} is not a torchmetrics Metric: use a Metric subclass")
         if "num_classes" in node and node.num_classes is None:
             raise UserError(
                 f"{key}.num_classes is not set (the model has no num_classes): set {key}.num_classes=<classes>"
             )
-        _check_metric_fits_loss(key, cls, loss)
+    if classes:
+        check_metric_classes(metrics, cfg.get("loss"))
     if cfg.trainer.get("fn") is not None:
         return  # trainer=function: the objective names a value the function returns (checked when it has)
     split, _, value = t.objective.partition("/")
@@ -357,6 +355,24 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig) -> None:
         raise UserError(
             f"trainer.objective={t.objective} needs the metrics on the training batches: set trainer.train_metrics=true"
         )
+
+
+def check_metric_classes(metrics: DictConfig, loss_node: Any) -> None:
+    """Each metric's _target_ importable, taking the keys given, a torchmetrics Metric, and one
+    that judges what the loss trains. It imports torchmetrics, which takes 2-3 s when transformers
+    and scipy are installed (it imports them): on a local run the ranks, which import it anyway,
+    make this check as they build the metrics (dtf.train.metrics) instead of the driver."""
+    loss = _located(loss_node) if isinstance(loss_node, DictConfig) and "_target_" in loss_node else None
+    for path, target_node in _targets(metrics, "metrics"):
+        _check_target(path, target_node)
+    for name, node in metrics.items():
+        key = "metrics." + str(name)
+        cls = _located(node)
+        from torchmetrics import Metric
+
+        if not (isinstance(cls, type) and issubclass(cls, Metric)):
+            raise UserError(f"{key}._target_={node._target_} is not a torchmetrics Metric: use a Metric subclass")
+        _check_metric_fits_loss(key, cls, loss)
 
 
 def _located(node: DictConfig) -> Any:

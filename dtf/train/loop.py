@@ -256,8 +256,8 @@ def assemble(
         test_data=splits.test,
         loggers=loggers.build(run, run_dir, env.is_main, env.world_size),
         checkpointer=checkpointer,
-        metrics=Metrics.build(cfg.get("metrics"), env.device),
-        train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device),
+        metrics=Metrics.build(cfg.get("metrics"), env.device, cfg.get("loss")),
+        train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device, cfg.get("loss")),
         control=StepControl(
             stop_request,
             checkpointer,

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dtf.errors import UserError
+from dtf.errors import EveryRankUserError, UserError
 
-if TYPE_CHECKING:  # torchmetrics takes 2-3 s to import (it imports transformers and scipy when installed):
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    # torchmetrics takes 2-3 s to import (it imports transformers and scipy when installed):
     from torchmetrics import Metric  # only runs with metrics do, when instantiate builds them
 
 
@@ -98,11 +101,20 @@ class Metrics:
         self.metrics = {name: m.to(device) for name, m in metrics.items()}
 
     @classmethod
-    def build(cls, cfg: Mapping[str, Any] | None, device: torch.device) -> Metrics:
-        """The metrics section (name -> config with _target_), each metric built fresh; None: no metrics."""
+    def build(cls, cfg: DictConfig | None, device: torch.device, loss: Any = None) -> Metrics:
+        """The metrics section (name -> config with _target_), each metric built fresh, once its
+        class is checked against the loss's config (every rank finds the same); None: no metrics."""
+        if not cfg:
+            return cls({}, device)
         from hydra.utils import instantiate
 
-        return cls({str(name): instantiate(node) for name, node in (cfg or {}).items()}, device)
+        from dtf.preflight import check_metric_classes
+
+        try:
+            check_metric_classes(cfg, loss)
+        except UserError as e:
+            raise EveryRankUserError(str(e)) from None
+        return cls({str(name): instantiate(node) for name, node in cfg.items()}, device)
 
     def __bool__(self) -> bool:
         return bool(self.metrics)

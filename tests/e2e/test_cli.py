@@ -267,6 +267,8 @@ def test_a_command_line_hydra_cannot_compose_is_one_line(dtf, args: list[str], l
     ("args", "message"),
     [
         (["data.dataset._target_=user_models.one_sample"], "data.dataset has 1 training samples for 2 ranks"),
+        # a metric's class, which the ranks of a local run check (the driver does not import torchmetrics)
+        (["metrics=accuracy"], "metrics.accuracy (MulticlassAccuracy) judges classes, but the loss (MSELoss)"),
         # raised inside a _target_, which Hydra's instantiate wraps in its own exception
         (["data.dataset.num_points=2000"], "data.dataset.num_test=2000 must be between 1 and num_points-1"),
         # raised on one rank only, in the middle of training

@@ -137,6 +137,52 @@ def test_metrics_that_cannot_work_are_refused_on_the_driver(overrides: list[str]
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss=nll"], "metrics.rmse (MeanSquaredError) judges a regression, but the loss (NLLLoss)"),
+        (
+            ["+metrics.bad._target_=torch.nn.Linear"],
+            "metrics.bad._target_=torch.nn.Linear is not a torchmetrics Metric",
+        ),
+        (["metrics.rmse._target_=torchmetrics.Nope"], "metrics.rmse._target_=torchmetrics.Nope cannot be imported"),
+    ],
+)
+def test_the_ranks_refuse_the_metrics_classes_the_driver_of_a_local_run_leaves_to_them(
+    overrides: list[str], message: str
+) -> None:
+    from dtf.cli import check
+    from dtf.errors import EveryRankUserError
+    from dtf.train.metrics import Metrics
+
+    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    check(cfg, starting=True)  # a local run's driver: the classes are the ranks' to check
+    with pytest.raises(EveryRankUserError) as e:
+        Metrics.build(cfg.metrics, torch.device("cpu"), cfg.loss)
+    assert message in str(e.value)
+
+
+def test_the_driver_of_a_local_run_does_not_import_torchmetrics_and_dtf_validate_does() -> None:
+    # 2-3 s on every run's critical path (torchmetrics imports transformers and scipy.signal here).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_module\n"
+        "from dtf.cli import check\n"
+        "with initialize_config_module(config_module='dtf.conf', version_base='1.3'):\n"
+        "    cfg = compose(config_name='config')\n"
+        "check(cfg, starting=True)\n"
+        "print('torchmetrics' in sys.modules)\n"
+        "check(cfg)\n"
+        "print('torchmetrics' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr
+
+
 def test_metrics_and_objectives_that_fit_are_accepted() -> None:
     _validate("+experiment=digits_cnn", "metrics=[accuracy,f1,auroc]", "trainer.objective=test/f1")
     _validate("trainer.objective=train/rmse", "trainer.train_metrics=true")
