@@ -16,8 +16,9 @@ steps. For each case it prints the blocking fraction (async blocked / sync block
 a synchronous save the loop still waits for), the median step times of both modes, and the
 smallest interval in steps that keeps the loop's cost of saving under 2% of the step time
 (interval >= blocked per save / (0.02 * step time)). The floors, timed here in one process on
-deep_mlp's state: the copy of the state into memory already allocated (what an asynchronous save
-cannot go below), and a plain torch.save of it with fsync (what a synchronous one writes). It
+deep_mlp's state: the copy of the whole state into memory already allocated (an asynchronous
+save copies each rank's share of it: about half on each of 2 DDP ranks, which copy at the same
+time), and a plain torch.save of it with fsync (what a synchronous one writes). It
 also times the integrity checksums (CRC32 of every file: computed at each save, verified before a
 resume) on one of the checkpoints written.
 """
