@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dtf.dist.network import is_loopback, listen_on, loopback_interface
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_side_group: Any = None  # see side_group()
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,20 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 1800.0)
             timeout=timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
+        if world_size > 1:
+            global _side_group
+            _side_group = dist.new_group(backend="gloo")
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def side_group() -> Any:
+    """A gloo group beside the default one, for small exchanges that go on while it may be busy
+    (dtf.train.control), made by init with the default group; None where init did not make the
+    group (a group of one, or one made by someone else). Made there and not when first needed: a
+    group made later waits in the store for every peer's address, so a node lost before its ranks
+    posted theirs would hold the others until the collective timeout, instead of failing them at
+    once in a collective that names it (dtf.launch.nodes.lost_node)."""
+    return _side_group
 
 
 def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout: timedelta) -> dist.TCPStore:
@@ -130,8 +144,10 @@ def broadcast_from_main(obj: Any) -> Any:
 
 
 def destroy() -> None:
+    global _side_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _side_group = None
 
 
 def free_port(host: str = "") -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtf.dist.env import side_group
 from dtf.signals import StopRequest
 from dtf.train.checkpoint import Checkpointer
 
@@ -65,7 +66,9 @@ class StepControl:
         self.every_s = every_s
         self.is_main = is_main
         self.clock = clock
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        self.group = (
+            (side_group() or dist.new_group(backend="gloo")) if dist.is_initialized() and world_size > 1 else None
+        )
         self._posted: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._boundaries = 0  # boundaries passed (steps and evaluation batches): equal on every rank
