@@ -11,18 +11,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import inspect
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra._internal.utils import _locate
 from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.keys import SECTIONS, unknown_top_level_line
 from dtf.config.schema import (
@@ -35,12 +32,10 @@ from dtf.config.schema import (
     SlurmLauncherConfig,
     TrainerConfig,
 )
+from dtf.config.targets import check_target, targets
 from dtf.config.typed import LauncherConfig, RunConfig, typed
 from dtf.dist import env as dist_env
 from dtf.errors import UserError, require
-
-# Keys Hydra's instantiate consumes itself; everything else is passed to the target.
-_HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 
 
 def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
@@ -86,8 +81,8 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
     for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):  # metrics: above
         node = cfg.get(section)
         if node is not None:
-            for path, target_node in _targets(node, section):
-                _check_target(path, target_node)
+            for path, target_node in targets(node, section):
+                check_target(path, target_node)
     _check_memory(cfg, run)  # last: it builds the model (on the meta device) from what is checked above
     return run
 
@@ -342,6 +337,8 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
                 f"{key}.num_classes is not set (the model has no num_classes): set {key}.num_classes=<classes>"
             )
     if classes:
+        from dtf.train.metrics import check_metric_classes
+
         check_metric_classes(metrics, cfg.get("loss"))
     if cfg.trainer.get("fn") is not None:
         return  # trainer=function: the objective names a value the function returns (checked when it has)
@@ -354,51 +351,6 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
     if split == "train" and value != "loss" and not t.train_metrics:
         raise UserError(
             f"trainer.objective={t.objective} needs the metrics on the training batches: set trainer.train_metrics=true"
-        )
-
-
-def check_metric_classes(metrics: DictConfig, loss_node: Any) -> None:
-    """Each metric's _target_ importable, taking the keys given, a torchmetrics Metric, and one
-    that judges what the loss trains. It imports torchmetrics, which takes 2-3 s when transformers
-    and scipy are installed (it imports them): on a local run the ranks, which import it anyway,
-    make this check as they build the metrics (dtf.train.metrics) instead of the driver."""
-    loss = _located(loss_node) if isinstance(loss_node, DictConfig) and "_target_" in loss_node else None
-    for path, target_node in _targets(metrics, "metrics"):
-        _check_target(path, target_node)
-    for name, node in metrics.items():
-        key = "metrics." + str(name)
-        cls = _located(node)
-        from torchmetrics import Metric
-
-        if not (isinstance(cls, type) and issubclass(cls, Metric)):
-            raise UserError(f"{key}._target_={node._target_} is not a torchmetrics Metric: use a Metric subclass")
-        _check_metric_fits_loss(key, cls, loss)
-
-
-def _located(node: DictConfig) -> Any:
-    try:
-        return _locate(str(node._target_))
-    except Exception:
-        return None  # reported by _check_target
-
-
-def _check_metric_fits_loss(key: str, metric: type, loss: Any) -> None:
-    """A regression metric cannot judge a classifier's class scores, nor a class metric a regression."""
-    from dtf.train.loss import CLASS_INDEX
-
-    regression_losses = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss)
-    if not isinstance(loss, type):
-        return
-    kind = metric.__module__.split(".")[1] if metric.__module__.startswith("torchmetrics.") else ""
-    if kind == "regression" and issubclass(loss, CLASS_INDEX):
-        raise UserError(
-            f"{key} ({metric.__name__}) judges a regression, but the loss ({loss.__name__}) trains a classifier: "
-            "pick classification metrics (metrics=accuracy) or metrics=none"
-        )
-    if kind == "classification" and issubclass(loss, regression_losses):
-        raise UserError(
-            f"{key} ({metric.__name__}) judges classes, but the loss ({loss.__name__}) trains a regression: "
-            "pick regression metrics (metrics=rmse) or metrics=none"
         )
 
 
@@ -455,51 +407,3 @@ def _check_inductor_can_build(mode: bool | str, on_gpu: bool) -> None:
             f"{setting} needs a C++ compiler to build CPU kernels and {cxx} does not run: install g++ "
             "(or set CXX to one), or use trainer.compile=false"
         ) from None
-
-
-def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
-    """Every config node with a _target_ below node, with its dotted path."""
-    if isinstance(node, DictConfig):
-        if "_target_" in node:
-            yield path, node
-        for key in node:
-            if key not in _HYDRA_KEYS:
-                yield from _targets(node._get_node(key), f"{path}.{key!s}")
-    elif isinstance(node, ListConfig) and not node._is_none():  # a list setting left null
-        for i, item in enumerate(node):
-            yield from _targets(item, f"{path}[{i}]")
-
-
-def _check_target(path: str, node: DictConfig) -> None:
-    target = str(node._target_)
-    if target.startswith("__main__."):
-        # The ranks are fresh processes that never run the script (dtf.launch.local.ranks_without_main).
-        name = target.removeprefix("__main__.")
-        raise UserError(
-            f"{path}._target_={target} names {name} in the script that runs dtf, which the ranks do not run: put "
-            f"{name} in a module of its own that they can import (a .py file next to the script, on PYTHONPATH) and "
-            f"name it there, or pass it to dtf.run_function(module={name}), which ships it to the ranks"
-        )
-    try:
-        obj = _locate(str(target))
-    except Exception as e:  # _locate raises ImportError with the real cause chained
-        cause = e.__cause__ or e
-        raise UserError(
-            f"{path}._target_={target} cannot be imported ({type(cause).__name__}: {cause}): "
-            "check the dotted path, or make its module importable (install it or add it to PYTHONPATH)"
-        ) from None
-    if not callable(obj):
-        raise UserError(f"{path}._target_={target} is not callable: point it at a class or function")
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: let instantiate decide
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    for key in map(str, node):
-        if key not in _HYDRA_KEYS and key not in sig.parameters:
-            accepted = ", ".join(n for n in sig.parameters if n != "self")
-            raise UserError(
-                f"{path}.{key} is not a parameter of {target} (it takes: {accepted}): "
-                f"fix the name or remove it with ~{path}.{key}"
-            )

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 
+from dtf.config.targets import check_target, located, targets
 from dtf.errors import EveryRankUserError, UserError
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     # torchmetrics takes 2-3 s to import (it imports transformers and scipy when installed):
     from torchmetrics import Metric  # only runs with metrics do, when instantiate builds them
 
@@ -108,8 +108,6 @@ class Metrics:
             return cls({}, device)
         from hydra.utils import instantiate
 
-        from dtf.preflight import check_metric_classes
-
         try:
             check_metric_classes(cfg, loss)
         except UserError as e:
@@ -198,3 +196,41 @@ class _Observed:
             shape = getattr(self.loss_fn, "shape_target", None)
             self.metrics.update(output, shape(output, target) if shape else target)
         return self.loss_fn(output, target, *args, **kwargs)
+
+
+def check_metric_classes(metrics: DictConfig, loss_node: Any) -> None:
+    """Each metric's _target_ importable, taking the keys given, a torchmetrics Metric, and one
+    that judges what the loss trains. It imports torchmetrics, which takes 2-3 s when transformers
+    and scipy are installed (it imports them): on a local run the ranks, which import it anyway,
+    make this check as they build the metrics (Metrics.build) instead of the driver (dtf.preflight)."""
+    loss = located(loss_node) if isinstance(loss_node, DictConfig) and "_target_" in loss_node else None
+    for path, target_node in targets(metrics, "metrics"):
+        check_target(path, target_node)
+    for name, node in metrics.items():
+        key = "metrics." + str(name)
+        cls = located(node)
+        from torchmetrics import Metric
+
+        if not (isinstance(cls, type) and issubclass(cls, Metric)):
+            raise UserError(f"{key}._target_={node._target_} is not a torchmetrics Metric: use a Metric subclass")
+        _check_metric_fits_loss(key, cls, loss)
+
+
+def _check_metric_fits_loss(key: str, metric: type, loss: Any) -> None:
+    """A regression metric cannot judge a classifier's class scores, nor a class metric a regression."""
+    from dtf.train.loss import CLASS_INDEX
+
+    regression_losses = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss)
+    if not isinstance(loss, type):
+        return
+    kind = metric.__module__.split(".")[1] if metric.__module__.startswith("torchmetrics.") else ""
+    if kind == "regression" and issubclass(loss, CLASS_INDEX):
+        raise UserError(
+            f"{key} ({metric.__name__}) judges a regression, but the loss ({loss.__name__}) trains a classifier: "
+            "pick classification metrics (metrics=accuracy) or metrics=none"
+        )
+    if kind == "classification" and issubclass(loss, regression_losses):
+        raise UserError(
+            f"{key} ({metric.__name__}) judges classes, but the loss ({loss.__name__}) trains a regression: "
+            "pick regression metrics (metrics=rmse) or metrics=none"
+        )
