@@ -106,13 +106,11 @@ class Metrics:
         class is checked against the loss's config (every rank finds the same); None: no metrics."""
         if not cfg:
             return cls({}, device)
-        from hydra.utils import instantiate
-
         try:
             check_metric_classes(cfg, loss)
         except UserError as e:
             raise EveryRankUserError(str(e)) from None
-        return cls({str(name): instantiate(node) for name, node in cfg.items()}, device)
+        return cls({str(name): _built(str(name), node) for name, node in cfg.items()}, device)
 
     def __bool__(self) -> bool:
         return bool(self.metrics)
@@ -196,6 +194,24 @@ class _Observed:
             shape = getattr(self.loss_fn, "shape_target", None)
             self.metrics.update(output, shape(output, target) if shape else target)
         return self.loss_fn(output, target, *args, **kwargs)
+
+
+def _built(name: str, node: DictConfig) -> Metric:
+    """The metric, or one line where torchmetrics refused its settings (its classes take **kwargs,
+    so no signature names the keys they take; a class of the user's own shows its traceback)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except InstantiationException as e:
+        cause = e.__cause__
+        if not (isinstance(cause, TypeError | ValueError) and str(node._target_).startswith("torchmetrics.")):
+            raise
+        raise EveryRankUserError(
+            f"metrics.{name}: {node._target_} refused its settings ({type(cause).__name__}: "
+            f"{' '.join(str(cause).split())}): fix the key it names, or remove it with ~metrics.{name}.<key>"
+        ) from None
 
 
 def check_metric_classes(metrics: DictConfig, loss_node: Any) -> None:

@@ -163,6 +163,30 @@ def test_the_ranks_refuse_the_metrics_classes_the_driver_of_a_local_run_leaves_t
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+metrics.rmse.nokey=1", "Unexpected keyword arguments: `nokey`"),
+        ("metrics.rmse.squared=maybe", "Expected argument `squared` to be a boolean"),
+    ],
+)
+def test_settings_a_torchmetrics_class_refuses_are_one_line_naming_the_metric(override: str, message: str) -> None:
+    # MeanSquaredError takes **kwargs, so no signature names its keys: torchmetrics itself refuses them.
+    from dtf.errors import EveryRankUserError
+    from dtf.train.metrics import Metrics
+
+    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(EveryRankUserError) as e:
+        Metrics.build(cfg.metrics, torch.device("cpu"), cfg.loss)
+    line = str(e.value)
+    assert (
+        line.startswith("metrics.rmse: torchmetrics.regression.MeanSquaredError refused its settings (ValueError: ")
+        and message in line
+    )
+    assert "\n" not in line
+
+
 def test_the_driver_of_a_local_run_does_not_import_torchmetrics_and_dtf_validate_does() -> None:
     # 2-3 s on every run's critical path (torchmetrics imports transformers and scipy.signal here).
     import subprocess
