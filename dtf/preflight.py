@@ -78,7 +78,7 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
             "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
             "(called on every rank as fn(module, hparams, train_set, test_set))"
         )
-    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):  # metrics: above
+    for section in ("model", "optimizer", "scheduler", "loss", "data", "trainer"):  # metrics: _check_metrics
         node = cfg.get(section)
         if node is not None:
             for path, target_node in targets(node, section):
