@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dtf.dist.network import is_loopback, listen_on, loopback_interface
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_side_group: Any = None  # see side_group()
+_side_group: dist.ProcessGroup | None = None  # see side_group()
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 1800.0)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
-def side_group() -> Any:
+def side_group() -> dist.ProcessGroup | None:
     """A gloo group beside the default one, for small exchanges that go on while it may be busy
     (dtf.train.control), made by init with the default group; None where init did not make the
     group (a group of one, or one made by someone else). Made there and not when first needed: a

@@ -44,7 +44,7 @@ import torch.multiprocessing  # registers the reductions that pass tensors throu
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.utils._pytree import tree_map, tree_structure
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
@@ -237,10 +237,6 @@ class Staged:
 _ATOMS = (str, int, float, bool, bytes, type(None))
 
 
-class _NotPlain(Exception):
-    pass
-
-
 class StateBuffers:
     """The copy of a CPU state made for the writer, into shared-memory buffers allocated at the
     first save and reused while the state keeps its structure and shapes (a new layout gets new
@@ -255,22 +251,18 @@ class StateBuffers:
         """state copied (None: it holds something other than plain CPU tensors in containers, and
         scalars, which DefaultStager copies instead: a tensor subclass, or an object that may hold
         tensors)."""
-        tensors: list[torch.Tensor] = []
-
-        def slot(leaf: Any) -> Any:
-            if type(leaf) is torch.Tensor and leaf.device.type == "cpu":
-                tensors.append(leaf)
-                return _Slot(len(tensors) - 1)
-            if isinstance(leaf, _ATOMS):
-                return leaf
-            raise _NotPlain
-
-        try:
-            skeleton = tree_map(slot, state)
-        except _NotPlain:
+        leaves, spec = tree_flatten(state)  # one walk: the leaves, and the keys and containers
+        if not all(
+            (type(leaf) is torch.Tensor and leaf.device.type == "cpu") or isinstance(leaf, _ATOMS) for leaf in leaves
+        ):
             return None
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        slots = iter(range(len(tensors)))
+        skeleton = tree_unflatten(
+            [_Slot(next(slots)) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+        )
         # The keys too: which tensors DCP gives this rank depends on their names as well as their sizes.
-        layout = (tree_structure(state), [(t.shape, t.dtype) for t in tensors])
+        layout = (spec, [(t.shape, t.dtype) for t in tensors])
         new = layout != self._layout
         if new:
             self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout[1]]
