@@ -73,15 +73,21 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
     """The plan of a run with data.global_batch_size or launcher.nnodes=MIN:MAX (None: neither).
     UserError (one line) where no world size in the range can keep the global batch. started_as:
     the world size of ranks started by another launcher (torchrun), where the driver runs in them."""
-    from dtf.config.schema import LocalLauncherConfig, ParquetDataConfig
+    from dtf.config.schema import LocalLauncherConfig, ParquetDataConfig, SlurmLauncherConfig
 
     launcher = run.launcher
     accum = run.trainer.grad_accum_steps
+    node_range = ("launcher.nnodes", "")  # the key of an elastic range, and its value
     if started_as is not None:
         low, high, nproc = 1, 1, started_as
     elif isinstance(launcher, LocalLauncherConfig):
         low, high = launcher.node_range()
         nproc = launcher.nproc
+        node_range = ("launcher.nnodes", launcher.nnodes)
+    elif isinstance(launcher, SlurmLauncherConfig) and launcher.elastic:
+        low, high = launcher.node_range()
+        nproc = launcher.tasks_per_node  # one agent per node starts them
+        node_range = ("launcher.nodes", str(launcher.nodes))
     else:
         low, high, nproc = 1, 1, int(launcher.nproc)
     # As configured (a rank's run.data gets its own batch: dtf.elastic.apply)
@@ -106,8 +112,7 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
             partitions = fixed
         if partitions is not None:
             fits = [n for n in fits if partitions % (n * nproc) == 0 and (glob // accum) % partitions == 0]
-    key = "launcher.nnodes" if low < high else "data.global_batch_size"
-    value = launcher.nnodes if low < high and isinstance(launcher, LocalLauncherConfig) else glob
+    key, value = node_range if low < high else ("data.global_batch_size", str(glob))
     if not fits:
         what = f"the global batch {glob} ({why})" + (f" with {partitions} canonical partitions" if partitions else "")
         sizes = [n * nproc for n in range(low, high + 1)]

@@ -32,6 +32,10 @@ class RankFailedError(UserError):
     """One or more ranks of a distributed run failed; the message names them."""
 
 
+class TooFewNodes(RankFailedError):
+    """An elastic run's nodes could not meet its MIN (at the start, or after losing some)."""
+
+
 def user_error_in(e: BaseException) -> UserError | None:
     """The UserError behind e, if any: Hydra's instantiate wraps what a _target_ raises."""
     seen: BaseException | None = e

@@ -92,12 +92,20 @@ def _check_sizes(run: RunConfig) -> None:
     known, the checks below see each rank's batch as the ranks will."""
     from dtf import elastic
 
-    if isinstance(run.launcher, LocalLauncherConfig):
-        elastic.rdzv_configs(run.launcher.rdzv_configs)
-        if run.launcher.rdzv_configs and run.launcher.node_range() == (1, 1):
+    launcher = run.launcher
+    if isinstance(launcher, LocalLauncherConfig):
+        elastic.rdzv_configs(launcher.rdzv_configs)
+        if launcher.rdzv_configs and launcher.node_range() == (1, 1):
             raise UserError(
-                f"launcher.rdzv_configs.{next(iter(run.launcher.rdzv_configs))}: the rendezvous settings have no "
+                f"launcher.rdzv_configs.{next(iter(launcher.rdzv_configs))}: the rendezvous settings have no "
                 "effect on one node (launcher.nnodes=1): remove them, or give launcher.nnodes=N or MIN:MAX"
+            )
+    if isinstance(launcher, SlurmLauncherConfig):
+        elastic.rdzv_configs(launcher.rdzv_configs)
+        if launcher.rdzv_configs and not launcher.elastic:
+            raise UserError(
+                f"launcher.rdzv_configs.{next(iter(launcher.rdzv_configs))}: a SLURM job of a fixed size has no "
+                "rendezvous (SLURM starts its ranks): remove it, or give launcher.nodes=MIN:MAX"
             )
     world = expected_world_size(run.launcher)
     if elastic.plan(run, world if dist_env.launched_externally() else None) is not None and world is not None:
@@ -264,6 +272,8 @@ def expected_world_size(launcher: LauncherConfig) -> int | None:
     if isinstance(launcher, LocalLauncherConfig):
         low, high = launcher.node_range()
         return launcher.nproc * low if low == high else None  # elastic: known once the nodes meet
+    if isinstance(launcher, SlurmLauncherConfig) and launcher.elastic:
+        return None
     return launcher.nproc
 
 

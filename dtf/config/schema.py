@@ -772,20 +772,14 @@ class SparkLauncherConfig:
         check_nproc(self.nproc)
 
 
-# Why launcher=slurm takes no elastic range, and what to do instead (docs/launchers.md, "Elastic").
-SLURM_NODE_RANGE = (
-    "a SLURM job keeps the nodes it starts on: a lost node ends the job, which SLURM requeues "
-    "(launcher.requeue=true) to continue from its newest checkpoint; for a run that goes on without the "
-    "node, use launcher=local with launcher.nnodes=MIN:MAX on each node (srun inside an allocation)"
-)
-
-
 @dataclass
 class SlurmLauncherConfig:
     """One SLURM job, one task per rank, submitted with submitit (or run in place inside an allocation)."""
 
     name: str = "slurm"
-    nodes: Any = 1  # a number (a MIN:MAX range is refused: dtf.config.schema.SLURM_NODE_RANGE)
+    # A number, or MIN:MAX for an elastic job: sbatch --nodes=MAX --no-kill, one torch elastic agent
+    # per node, and a job that loses a node goes on with the others, down to MIN (docs/launchers.md, "Elastic").
+    nodes: Any = 1
     # Ranks per node (SLURM tasks).
     tasks_per_node: int = 2
     cpus_per_task: int = 1
@@ -809,23 +803,38 @@ class SlurmLauncherConfig:
     requeue: bool = True
     # Extra environment variables for every rank.
     env: dict[str, str] = field(default_factory=dict)
+    # launcher.nodes=MIN:MAX only: torch's c10d rendezvous settings, as launcher=local's rdzv_configs.
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.nodes, str) and ":" in self.nodes:
-            raise UserError(f"launcher.nodes={self.nodes}: {SLURM_NODE_RANGE}")
+        low, high = self.node_range()
         require(
-            isinstance(self.nodes, int) and not isinstance(self.nodes, bool),
+            1 <= low <= high and not isinstance(self.nodes, bool),
             "launcher.nodes",
             self.nodes,
-            "give the job's number of nodes, e.g. launcher.nodes=2",
+            "give the job's number of nodes (2) or an elastic range MIN:MAX (1:4)",
         )
-        for key in ("nodes", "tasks_per_node", "cpus_per_task"):
+        for key in ("tasks_per_node", "cpus_per_task"):
             require(getattr(self, key) >= 1, f"launcher.{key}", getattr(self, key), "use 1 or more")
         require(self.time_min is not None, "launcher.time_min", self.time_min, "give the job's time limit in minutes")
 
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) nodes; (0, 0) when launcher.nodes is not N or MIN:MAX."""
+        low, _, high = str(self.nodes).partition(":")
+        try:
+            return int(low), int(high or low)
+        except ValueError:
+            return 0, 0
+
+    @property
+    def elastic(self) -> bool:
+        low, high = self.node_range()
+        return low < high
+
     @property
     def nproc(self) -> int:
-        return self.nodes * self.tasks_per_node
+        """The ranks of the job at its largest."""
+        return self.node_range()[1] * self.tasks_per_node
 
 
 @dataclass

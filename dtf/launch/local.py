@@ -40,7 +40,7 @@ from dtf import elastic, failures
 from dtf.config.schema import LocalLauncherConfig
 from dtf.config.typed import typed
 from dtf.dist import env as dist_env
-from dtf.errors import Interrupted, RankFailedError, UserError
+from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
 from dtf.launch import stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
@@ -129,7 +129,7 @@ class LocalLauncher(Launcher):
                 else "it has no checkpoint"
             )
             wait = self.cfg.rdzv_configs.get("join_timeout", 600)
-            raise RankFailedError(
+            raise TooFewNodes(
                 f"fewer than {min_nodes} node(s) (launcher.nnodes={self.cfg.nnodes}) met at {config.rdzv_endpoint} "
                 f"within {wait} s (launcher.rdzv_configs.join_timeout): the run stopped, and {kept}; the same "
                 f"command on {min_nodes} or more nodes continues it"

@@ -12,6 +12,11 @@ Three situations, one command (`python -m dtf launcher=slurm ...`):
 In each task the rendezvous comes from the SLURM environment (submitit's
 TorchDistributedEnvironment: the allocation's first node, a port derived from the job id).
 
+Elastic jobs (launcher.nodes=MIN:MAX): sbatch --nodes=MAX --no-kill, and one task per node
+that runs torch's elastic agent with the node's ranks (dtf.launch.local, as launcher=local's
+nnodes=MIN:MAX), the agents meeting at the first node. A node that fails leaves the job (--no-kill)
+and the agents left go on without it, from the newest checkpoint, at the same global batch.
+
 Preemption and time limits: SLURM sends launcher.signal (SIGUSR1 by default, launcher.signal_delay_s
 before the end); the ranks agree, checkpoint and stop (dtf.signals), rank 0 requeues the job
 with `scontrol requeue`, and the requeued job resumes from that checkpoint in the same run dir.
@@ -21,20 +26,23 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dtf import failures, hydra_sweep
-from dtf.config.schema import SlurmLauncherConfig
-from dtf.errors import RankFailedError, UserError
+from dtf import elastic, failures, hydra_sweep
+from dtf.config.schema import CheckpointConfig, LocalLauncherConfig, SlurmLauncherConfig
+from dtf.config.typed import typed
+from dtf.errors import RankFailedError, TooFewNodes, UserError
 from dtf.launch.base import Launcher, LogTail, WorkerFn, in_place_result, rank_result
 from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
 
@@ -81,6 +89,74 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> R
     return result
 
 
+class SlurmNode:
+    """What every task of an elastic job runs (one task per node, pickled by submitit)."""
+
+    def __init__(
+        self, fn: WorkerFn, cfg: DictConfig, run_dir: str, launcher: SlurmLauncherConfig, checkpoint: CheckpointConfig
+    ) -> None:
+        self.fn, self.cfg, self.run_dir, self.launcher, self.checkpoint = fn, cfg, run_dir, launcher, checkpoint
+
+    def __call__(self) -> RunResult | NodeFailed | None:
+        return run_as_node(self.fn, self.cfg, self.run_dir, self.launcher, self.checkpoint)
+
+
+@dataclass(frozen=True)
+class NodeFailed:
+    """How an elastic job's node ended when its ranks could not finish: the line the driver prints."""
+
+    message: str
+    user_error: bool  # exit status 2 (bad input), else 1
+
+
+def run_as_node(
+    fn: WorkerFn, cfg: DictConfig, run_dir: str, c: SlurmLauncherConfig, checkpoint: CheckpointConfig
+) -> RunResult | NodeFailed | None:
+    """One node of an elastic job: torch's elastic agent with this node's ranks (launcher=local's
+    engine), meeting the agents of the job's other nodes at its first node. Rank 0's node returns
+    its result; the others None. A failure is returned as a NodeFailed (its one line), not raised:
+    with --no-kill, SLURM would not end the other nodes' tasks for it, and they end by themselves."""
+    import submitit
+
+    from dtf.launch.local import LocalLauncher, newest_checkpoint
+
+    low, high = c.node_range()
+    hosts = submitit.JobEnvironment().hostnames
+    node = LocalLauncherConfig(
+        nproc=c.tasks_per_node,
+        nnodes=f"{low}:{high}",
+        rdzv_endpoint=f"{hosts[0]}:{step_port()}",
+        node_rank=int(os.environ["SLURM_NODEID"]),  # the first node hosts the rendezvous
+        rdzv_configs=dict(c.rdzv_configs),
+        env=dict(c.env),
+    )
+    job = os.environ["SLURM_JOB_ID"]
+    try:
+        result = LocalLauncher(node, checkpoint).launch(fn, cfg, run_dir)
+    except TooFewNodes:
+        newest = newest_checkpoint("", Path(run_dir) / checkpoint.dir)
+        kept = f"its newest checkpoint, step {newest.step}, is intact" if newest.checkpoint else "it has no checkpoint"
+        wait = c.rdzv_configs.get("join_timeout", 600)
+        if c.requeue:
+            if node.node_rank == 0:  # the first node: the others have the same error
+                subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+                print(f"dtf: fewer than {low} node(s) met in {wait} s; {kept}; requeued SLURM job {job}", flush=True)
+            raise SystemExit(EXIT_STOPPED) from None  # no result: the driver waits for the requeued job
+        return NodeFailed(
+            f"fewer than {low} node(s) of SLURM job {job} (launcher.nodes={c.nodes}) met within {wait} s "
+            f"(launcher.rdzv_configs.join_timeout), and launcher.requeue=false: the run stopped, and {kept}; "
+            "the same command continues it",
+            user_error=False,
+        )
+    except UserError as e:  # told in one line by the agent: the rank that failed, a lost node
+        return NodeFailed(str(e), user_error=not isinstance(e, RankFailedError))
+    if c.requeue and isinstance(result, Stopped):  # preempted (rank 0's node): as run_as_task
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        print(f"dtf: stopped at step {result.step}; requeued SLURM job {job}", flush=True)
+        raise SystemExit(EXIT_STOPPED)
+    return result
+
+
 def step_port() -> int:
     """The rendezvous port of this srun step's ranks. submitit derives one from the job id alone:
     steps of one allocation (a sweep's points, or runs side by side) would all use the same one."""
@@ -114,6 +190,12 @@ class SlurmLauncher(Launcher):
     cfg: SlurmLauncherConfig
 
     def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
+        if self.cfg.elastic and inside_allocation():
+            raise UserError(
+                f"launcher.nodes={self.cfg.nodes}: an elastic job is one sbatch job whose nodes each run torch's "
+                "elastic agent; run this command where jobs are submitted, not inside an allocation (there, run "
+                "launcher=local launcher.nnodes=MIN:MAX on every node: srun --no-kill --ntasks-per-node=1 ...)"
+            )
         if inside_srun_task():  # the user's srun owns the job; this process is a rank
             return in_place_result(run_as_task(fn, cfg, run_dir, requeue=False))
         failures.clear(run_dir)
@@ -129,7 +211,7 @@ class SlurmLauncher(Launcher):
         c = self.cfg
         folder = Path(run_dir) / JOB_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        tasks = c.nodes * c.tasks_per_node
+        tasks = c.nproc
         for rank in range(tasks):  # an earlier run in this run dir (a resumed one) left its own
             (folder / STEP_RESULT_FILE.format(rank=rank)).unlink(missing_ok=True)
         task_file = folder / STEP_TASK_FILE
@@ -148,7 +230,7 @@ class SlurmLauncher(Launcher):
         code = subprocess.call(cmd)
         return step_result(folder, run_dir, code)
 
-    def _executor(self, run_dir: str) -> Any:
+    def _executor(self, run_dir: str, nodes: int) -> Any:
         import submitit
         from submitit.slurm.slurm import SlurmJobEnvironment
 
@@ -164,11 +246,17 @@ class SlurmLauncher(Launcher):
         executor = submitit.AutoExecutor(folder=Path(run_dir) / JOB_FOLDER, cluster="slurm")
         extra = dict(c.sbatch_extra)
         extra.update({key: getattr(c, key) for key in ("account", "qos") if getattr(c, key)})
+        # An elastic job starts on MAX nodes (a range --nodes=MIN-MAX gets its minimum from SLURM, and a
+        # running job gains no nodes), keeps the others when one fails (--no-kill), and runs one task
+        # per node: its agent starts the node's ranks.
+        per_node = (1, c.tasks_per_node * c.cpus_per_task) if c.elastic else (c.tasks_per_node, c.cpus_per_task)
+        if c.elastic:
+            extra["no_kill"] = True
         executor.update_parameters(
             name=f"dtf-{Path(run_dir).name}",
-            nodes=c.nodes,
-            tasks_per_node=c.tasks_per_node,
-            cpus_per_task=c.cpus_per_task,
+            nodes=nodes,
+            tasks_per_node=per_node[0],
+            cpus_per_task=per_node[1],
             gpus_per_node=c.gpus_per_node or None,
             timeout_min=c.time_min,
             slurm_partition=c.partition,
@@ -177,7 +265,8 @@ class SlurmLauncher(Launcher):
             slurm_setup=[f"export SUBMITIT_PREEMPT_SIGNAL={signal_name}", *c.setup],
             # A rank that fails (its error recorded for the driver) ends the job's other tasks at once,
             # instead of leaving them waiting in a collective until trainer.dist_timeout_s.
-            slurm_srun_args=["--kill-on-bad-exit=1"],
+            # An elastic job's step outlives a failed node (--no-kill): the agents left go on without it.
+            slurm_srun_args=["--no-kill"] if c.elastic else ["--kill-on-bad-exit=1"],
             **({"mem_gb": c.mem_gb} if c.mem_gb else {}),
         )
         return executor
@@ -191,14 +280,20 @@ class SlurmLauncher(Launcher):
                 "which a job not waited for cannot give; drop launcher.wait=false (or sweep with Hydra's basic sweeper)"
             )
         logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
-        executor = self._executor(run_dir)
+        nodes = self.cfg.nodes
+        if self.cfg.elastic:  # the most nodes that keep the global batch (dtf.elastic)
+            plan = elastic.plan(typed(cfg))
+            nodes = plan.max_nodes if plan is not None else self.cfg.node_range()[1]
+        executor = self._executor(run_dir, nodes)
         try:
-            job = executor.submit(SlurmRank(fn, cfg, run_dir, self.cfg.requeue))
+            task = SlurmNode(fn, cfg, run_dir, self.cfg, self.checkpoint) if self.cfg.elastic else None
+            job = executor.submit(task or SlurmRank(fn, cfg, run_dir, self.cfg.requeue))
         except submitit.core.utils.FailedJobError as e:  # sbatch refused it: its own words, one line
             reason = " ".join(str(e).split("\n")[-3:]).strip()
             raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None
         print(f"dtf: submitted SLURM job {job.job_id}; logs in {Path(run_dir) / JOB_FOLDER}", flush=True)
-        tasks = (self.cfg.nodes * self.cfg.tasks_per_node, self.cfg.tasks_per_node)
+        c = self.cfg
+        tasks = (nodes, 1, True) if c.elastic else (c.nproc, c.tasks_per_node, False)
         # Hydra's basic sweeper: every point is submitted first; SweepJobs waits for them all at the end.
         # Any other sweeper needs each point's objective before it picks the next: waited for here.
         if hydra_sweep.in_basic_sweep():
@@ -218,7 +313,7 @@ class SlurmLauncher(Launcher):
 
 
 # Jobs of this process's sweep (Hydra's basic sweeper), waited for by SweepJobs once all are submitted.
-SUBMITTED: list[tuple[Any, str, int, int]] = []
+SUBMITTED: list[tuple[Any, str, int, int, bool]] = []
 
 
 class SweepJobs(Callback):
@@ -228,9 +323,9 @@ class SweepJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = 0
         while SUBMITTED:
-            job, run_dir, tasks, tasks_per_node = SUBMITTED.pop(0)
+            job, run_dir, tasks, tasks_per_node, elastic = SUBMITTED.pop(0)
             try:
-                result = wait_for(job, run_dir, tasks, tasks_per_node, stream=False)
+                result = wait_for(job, run_dir, tasks, tasks_per_node, elastic, stream=False)
                 if isinstance(result, Finished):
                     loss = result.summary["final_train_loss"]
                     done = f"final train loss {loss:.6g}; summary {Path(run_dir) / 'summary.json'}"
@@ -282,10 +377,13 @@ def job_state(job_id: str) -> tuple[str, str] | None:
 LEAVE_QUEUE_S = 120.0
 
 
-def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bool = True) -> Finished | Stopped:
+def wait_for(
+    job: Any, run_dir: str, tasks: int, tasks_per_node: int, elastic: bool = False, stream: bool = True
+) -> Finished | Stopped:
     """Streams rank 0's output while the job runs (through requeues), then returns its result once
     the job has left the queue: not while it still runs or is COMPLETING, so that whoever comes next
-    (another job, `scripts/local-slurm.sh stop`) finds the node free."""
+    (another job, `scripts/local-slurm.sh stop`) finds the node free. elastic: the tasks are the
+    job's nodes, any of which may hold rank 0's result, and a lost node's none."""
     from submitit.core.utils import JobPaths, pickle_load
 
     paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
@@ -304,7 +402,7 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
                 f"cannot give {tasks // tasks_per_node} node(s) x {tasks_per_node} task(s) with these settings; "
                 "lower launcher.nodes, launcher.tasks_per_node or launcher.cpus_per_task, or pick launcher.partition"
             )
-        have_results = all(p.result_pickle.exists() for p in paths)
+        have_results = node_outcome(paths) is not None if elastic else all(p.result_pickle.exists() for p in paths)
         if state is None or state[0] in _FINAL_STATES:
             if have_results:
                 break
@@ -326,6 +424,8 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
         time.sleep(0.2 if have_results else 1.0)
     if stream:
         tail.print_new()
+    if elastic:  # the result counts: failures recorded on the way are of worlds the run recovered from
+        return elastic_result(job.job_id, paths)
     first = failures.first(run_dir)
     if first is not None:  # a rank failed (and srun --kill-on-bad-exit ended the others)
         raise failures.report(first, str(paths[first.rank].stderr))
@@ -336,6 +436,35 @@ def wait_for(job: Any, run_dir: str, tasks: int, tasks_per_node: int, stream: bo
             f"SLURM job {job.job_id} ended ({ended}) without a result from rank 0: see {paths[0].stderr}"
         )
     return rank_result(outcome[1])
+
+
+def node_outcome(paths: list[Any]) -> Finished | Stopped | NodeFailed | None:
+    """An elastic job's end so far: rank 0's result, else a node's failure, from any node's task."""
+    from submitit.core.utils import pickle_load
+
+    failed = None
+    for path in paths:
+        try:
+            outcome = pickle_load(path.result_pickle)
+        except (OSError, EOFError, pickle.UnpicklingError):  # not there (yet), or a node lost while writing
+            continue
+        if outcome[0] == "success" and isinstance(outcome[1], Finished | Stopped):
+            return outcome[1]
+        if outcome[0] == "success" and isinstance(outcome[1], NodeFailed):
+            failed = failed or outcome[1]
+    return failed
+
+
+def elastic_result(job_id: str, paths: list[Any]) -> Finished | Stopped:
+    outcome = node_outcome(paths)
+    if isinstance(outcome, NodeFailed):
+        raise (UserError if outcome.user_error else RankFailedError)(outcome.message)
+    if outcome is None:
+        ended = (job_state(job_id) or ("gone",))[0]
+        raise RankFailedError(
+            f"SLURM job {job_id} ended ({ended}) without a result from rank 0's node: see {paths[0].stderr}"
+        )
+    return outcome
 
 
 def step_result(folder: Path, run_dir: str, code: int) -> RunResult:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.e2e.test_elastic import max_difference
-from tests.helpers.clusters import SCRIPTS, preempt_and_requeue, script_cluster
+from tests.helpers.clusters import SCRIPTS, preempt_and_requeue, run_script, script_cluster
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +200,12 @@ def test_spark_ranks_on_two_hosts_are_two_ranks_on_one(
 @pytest.fixture(scope="module")
 def slurm_on_hosts(hosts: list[str]) -> Iterator[str]:
     """A SLURM cluster with a node on each host and slurmctld on the first (scripts/local-slurm.sh)."""
-    env = {"DTF_SLURM_HOSTS": " ".join(hosts), "DTF_SLURM_DIR": "/tmp/dtf-slurm-hosts", "DTF_SLURM_PORT": "6827"}
-    with script_cluster("local-slurm.sh", "SLURM_CONF", env) as conf:
+    with script_cluster("local-slurm.sh", "SLURM_CONF", slurm_hosts_env(hosts)) as conf:
         yield conf
+
+
+def slurm_hosts_env(hosts: list[str]) -> dict[str, str]:
+    return {"DTF_SLURM_HOSTS": " ".join(hosts), "DTF_SLURM_DIR": "/tmp/dtf-slurm-hosts", "DTF_SLURM_PORT": "6827"}
 
 
 def on_first_host(hosts: list[str], conf: str, *cmd: str) -> list[str]:
@@ -487,3 +490,69 @@ def test_a_lost_host_leaves_and_rejoins_and_the_run_ends_as_the_uninterrupted_on
         f"step {step} ({newest}), is intact; "
     ), last
     assert verify(newest)[0]
+
+
+def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other_and_ends_as_the_uninterrupted_run(
+    hosts: list[str], slurm_on_hosts: str, tmp_path: Path
+) -> None:
+    # launcher=slurm launcher.nodes=1:2, one rank per node: the second host dies (every process in
+    # its namespace, slurmd too: a machine that crashed) while the job trains on both; the job keeps
+    # its first node (sbatch --no-kill), whose agent goes on alone from the newest checkpoint. Last
+    # in this module: the cluster is started afresh at the end (its second node is down).
+    import json
+    import time
+
+    hold = tmp_path / "slow"
+    args = [
+        *ELASTIC,
+        "data.dataset.num_points=2400",
+        "data.dataset.num_test=400",
+        "trainer.max_steps=300",
+        f"data.global_batch_size={G}",
+    ]
+    slurm = [
+        *QUICK_RDZV,
+        "checkpoint.every_n_steps=5",
+        "launcher=slurm",
+        "launcher.nodes=1:2",
+        "launcher.tasks_per_node=1",
+    ]
+    run_dir = tmp_path / "run"
+    cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
+    with open(tmp_path / "job.out", "wb") as out:
+        job = subprocess.Popen(
+            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=out, stderr=subprocess.STDOUT, env=dtf_env()
+        )
+
+    def until(world: int, past: int) -> int:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            step, size = _newest(run_dir)
+            if size == world and step > past:
+                return step
+            time.sleep(0.2)
+        raise AssertionError(
+            f"no checkpoint of {world} rank(s) past step {past}: " + (tmp_path / "job.out").read_text()
+        )
+
+    try:
+        until(2, 10)
+        crashed = subprocess.run(["ip", "netns", "pids", hosts[1]], capture_output=True, text=True, check=True)
+        subprocess.run(["kill", "-KILL", *crashed.stdout.split()], check=True)
+        until(1, _newest(run_dir)[0] + 10)
+        hold.unlink()
+        straight = run_dtf([*args, "launcher.nproc=2"], tmp_path / "straight")
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        run_script("local-slurm.sh", "start", slurm_hosts_env(hosts))  # its second node back
+    text = (tmp_path / "job.out").read_text()
+    assert code == 0, text[-3000:]
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    changes = s["membership_changes"]
+    assert [(c["old_world_size"], c["new_world_size"]) for c in changes] == [(2, 1)], changes
+    assert changes[0]["steps_recomputed"] >= 0 and changes[0]["time_lost_s"] > 0, changes
+    assert s["launcher"] == "slurm" and s["world_size"] == 1 and s["global_step"] == straight.summary["global_step"]
+    assert max_difference(DtfRun(0, "", "", run_dir), straight) <= 1e-5

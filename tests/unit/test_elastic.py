@@ -37,6 +37,16 @@ def test_the_sizes_that_cannot_keep_the_global_batch_are_never_admitted() -> Non
     assert elastic.plan(run_of()) is None  # one node, a per-rank batch: nothing to plan
 
 
+def test_an_elastic_slurm_job_takes_the_sizes_of_its_nodes_times_their_tasks() -> None:
+    p = elastic.plan(
+        run_of("launcher=slurm", "launcher.nodes=1:4", "launcher.tasks_per_node=1", "data.global_batch_size=64")
+    )
+    assert p is not None and (p.min_nodes, p.max_nodes, p.nproc) == (1, 2, 1) and p.legal_nodes == (1, 2, 4)
+    p = elastic.plan(run_of("launcher=slurm", "launcher.nodes=1:2"))  # the full-size job's batch: 32 x 2 x 2
+    assert p is not None and p.global_batch == 128 and p.world_sizes() == [2, 4]
+    assert elastic.plan(run_of("launcher=slurm", "launcher.nodes=2")) is None
+
+
 def test_the_lr_is_scaled_as_for_the_configured_batch_on_every_size() -> None:
     run = run_of(*ACROSS, "launcher.nproc=1", "launcher.nnodes=1:2", "data.global_batch_size=64")
     factors = set()
@@ -75,12 +85,27 @@ def test_parquet_partitions_fit_every_admitted_size() -> None:
         (["data.global_batch_size=0"], "data.global_batch_size=0 is invalid"),
         (["launcher.nnodes=1:2", "+launcher.rdzv_configs.join_timout=5"], "launcher.rdzv_configs.join_timout is not"),
         (["+launcher.rdzv_configs.join_timeout=5"], "launcher.rdzv_configs.join_timeout: the rendezvous settings have"),
-        (["launcher=slurm", "launcher.nodes=1:2"], "launcher.nodes=1:2: a SLURM job keeps the nodes it starts on"),
+        (["launcher=slurm", "launcher.nodes=3:2"], "launcher.nodes=3:2 is invalid: give the job's number of nodes"),
+        (["launcher=slurm", "launcher.nodes=0:2"], "launcher.nodes=0:2 is invalid: give the job's number of nodes"),
+        (
+            ["launcher=slurm", "launcher.nodes=1:2", "launcher.tasks_per_node=3", "data.global_batch_size=64"],
+            "launcher.nodes=1:2: no world size of this run (3, 6 ranks, x trainer.grad_accum_steps=1) divides",
+        ),
+        (
+            ["launcher=slurm", "+launcher.rdzv_configs.join_timeout=5"],
+            "launcher.rdzv_configs.join_timeout: a SLURM job of a fixed size has no rendezvous",
+        ),
+        (
+            ["launcher=slurm", "launcher.nodes=1:2", "+launcher.rdzv_configs.wait=5"],
+            "launcher.rdzv_configs.wait is not",
+        ),
+        (["launcher=spark", "+launcher.nnodes=1:2"], "launcher.nnodes"),
     ],
 )
 def test_bad_elastic_settings_are_refused_in_one_line(overrides: list[str], line: str) -> None:
     with initialize_config_module("dtf.conf", version_base="1.3"):
-        cfg = compose("config", overrides=overrides if "launcher=slurm" in overrides else [*ACROSS, *overrides])
+        launcher = any(o.startswith("launcher=") for o in overrides)
+        cfg = compose("config", overrides=overrides if launcher else [*ACROSS, *overrides])
     with pytest.raises(UserError) as err:
         validate(cfg)
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
@@ -100,3 +125,81 @@ def test_a_change_records_the_steps_the_old_world_did_after_the_checkpoint(tmp_p
         "time_lost_s": 12.5,
         "steps_recomputed": 7,
     }
+
+
+# An elastic SLURM job's nodes (dtf.launch.slurm.run_as_node) and what the driver reads from them.
+# The loss of a node itself is tests/e2e/test_multinode.py's (real SLURM on two hosts); what a node
+# does when too few nodes are left cannot be brought about there: the job starts on MAX nodes, and
+# two hosts leave no MIN below MAX to fall under but 1, which always meets.
+
+
+def _elastic_node(monkeypatch: pytest.MonkeyPatch, node: int, *overrides: str) -> tuple[object, list[list[str]]]:
+    import submitit
+
+    from dtf.config.schema import CheckpointConfig
+    from dtf.errors import TooFewNodes
+    from dtf.launch import local, slurm
+
+    def too_few(self: object, fn: object, cfg: object, run_dir: str) -> None:
+        raise TooFewNodes("fewer than 2 node(s) met")
+
+    class Job:
+        @property
+        def hostnames(self) -> list[str]:
+            return ["n1", "n2", "n3"]
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(local.LocalLauncher, "launch", too_few)
+    monkeypatch.setattr(submitit, "JobEnvironment", Job)
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    for key, value in {"SLURM_NODEID": node, "SLURM_JOB_ID": 7, "SLURM_STEP_ID": 0}.items():
+        monkeypatch.setenv(key, str(value))
+    c = run_of("launcher=slurm", "launcher.nodes=2:3", "launcher.tasks_per_node=1", *overrides).launcher
+    assert isinstance(c, slurm.SlurmLauncherConfig)
+    try:
+        return slurm.run_as_node(lambda cfg, run_dir: None, None, "/nonexistent", c, CheckpointConfig()), ran  # type: ignore[arg-type]
+    except SystemExit as e:
+        return e, ran
+
+
+def test_too_few_nodes_left_requeue_an_elastic_slurm_job_from_its_first_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtf.results import EXIT_STOPPED
+
+    first, ran = _elastic_node(monkeypatch, 0)
+    assert isinstance(first, SystemExit) and first.code == EXIT_STOPPED and ran == [["scontrol", "requeue", "7"]]
+    other, ran = _elastic_node(monkeypatch, 1)  # the same error there: it leaves the requeue to the first
+    assert isinstance(other, SystemExit) and other.code == EXIT_STOPPED and ran == []
+
+
+def test_too_few_nodes_left_without_requeue_end_the_job_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtf.launch.slurm import NodeFailed
+
+    failed, ran = _elastic_node(monkeypatch, 0, "launcher.requeue=false")
+    assert isinstance(failed, NodeFailed) and not failed.user_error and ran == []
+    assert failed.message == (
+        "fewer than 2 node(s) of SLURM job 7 (launcher.nodes=2:3) met within 600 s "
+        "(launcher.rdzv_configs.join_timeout), and launcher.requeue=false: the run stopped, and it has no "
+        "checkpoint; the same command continues it"
+    )
+
+
+def test_the_driver_takes_rank_0s_result_from_whichever_node_ran_it(tmp_path: Path) -> None:
+    from submitit.core.utils import JobPaths, cloudpickle_dump
+
+    from dtf.errors import RankFailedError, UserError
+    from dtf.launch.slurm import NodeFailed, elastic_result
+    from dtf.results import Finished
+
+    paths = [JobPaths(tmp_path, "7", task_id=i) for i in range(3)]  # the third node was lost: no result
+    cloudpickle_dump(("success", None), paths[0].result_pickle)
+    cloudpickle_dump(("success", Finished({"world_size": 1})), paths[1].result_pickle)
+    assert elastic_result("7", paths) == Finished({"world_size": 1})
+    cloudpickle_dump(("success", NodeFailed("launcher.nodes: bad", user_error=True)), paths[1].result_pickle)
+    with pytest.raises(UserError) as err:
+        elastic_result("7", paths)
+    assert str(err.value) == "launcher.nodes: bad" and not isinstance(
+        err.value, RankFailedError
+    )  # exit status 2, as a user error on the driver
+    paths[1].result_pickle.unlink()
+    with pytest.raises(RankFailedError, match="without a result from rank 0's node"):
+        elastic_result("7", paths)
