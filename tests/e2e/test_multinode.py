@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.e2e.test_elastic import max_difference
-from tests.helpers.clusters import SCRIPTS, preempt_and_requeue, run_script, script_cluster
+from tests.helpers.clusters import SCRIPTS, preempt, preempt_and_requeue, run_script, script_cluster
 
 
 @pytest.fixture(scope="module")
@@ -492,14 +492,17 @@ def test_a_lost_host_leaves_and_rejoins_and_the_run_ends_as_the_uninterrupted_on
     assert verify(newest)[0]
 
 
-def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other_and_ends_as_the_uninterrupted_run(
+def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_and_ends_as_the_uninterrupted_run(
     hosts: list[str], slurm_on_hosts: str, tmp_path: Path
 ) -> None:
-    # launcher=slurm launcher.nodes=1:2, one rank per node: the second host dies (every process in
-    # its namespace, slurmd too: a machine that crashed) while the job trains on both; the job keeps
-    # its first node (sbatch --no-kill), whose agent goes on alone from the newest checkpoint. Last
-    # in this module: the cluster is started afresh at the end (its second node is down).
+    # launcher=slurm launcher.nodes=1:2, one rank per node. First what SLURM sends before a
+    # preemption: the ranks save, the job is requeued and resumes on both nodes. Then the second
+    # host dies (every process in its namespace, slurmd too: a machine that crashed) while the job
+    # trains on both; the job keeps its first node (sbatch --no-kill), whose agent goes on alone from
+    # the newest checkpoint. Last in this module: the cluster is started afresh at the end (its
+    # second node is down).
     import json
+    import re
     import time
 
     hold = tmp_path / "slow"
@@ -517,11 +520,11 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other_and_ends_
         "launcher.nodes=1:2",
         "launcher.tasks_per_node=1",
     ]
-    run_dir = tmp_path / "run"
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
     cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
-    with open(tmp_path / "job.out", "wb") as out:
+    with open(out, "wb") as f:
         job = subprocess.Popen(
-            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=out, stderr=subprocess.STDOUT, env=dtf_env()
+            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env()
         )
 
     def until(world: int, past: int) -> int:
@@ -531,12 +534,14 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other_and_ends_
             if size == world and step > past:
                 return step
             time.sleep(0.2)
-        raise AssertionError(
-            f"no checkpoint of {world} rank(s) past step {past}: " + (tmp_path / "job.out").read_text()
-        )
+        raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + out.read_text())
 
     try:
         until(2, 10)
+        preempt(job, out, lambda c: on_first_host(hosts, slurm_on_hosts, *c), time.monotonic() + 120)
+        stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", out.read_text())
+        assert stopped, out.read_text()
+        until(2, int(stopped.group(1)) + 10)  # the requeued job trains on both nodes
         crashed = subprocess.run(["ip", "netns", "pids", hosts[1]], capture_output=True, text=True, check=True)
         subprocess.run(["kill", "-KILL", *crashed.stdout.split()], check=True)
         until(1, _newest(run_dir)[0] + 10)
@@ -547,12 +552,12 @@ def test_an_elastic_slurm_job_that_loses_a_node_goes_on_with_the_other_and_ends_
         if job.poll() is None:
             job.kill()
         run_script("local-slurm.sh", "start", slurm_hosts_env(hosts))  # its second node back
-    text = (tmp_path / "job.out").read_text()
-    assert code == 0, text[-3000:]
+    assert code == 0, out.read_text()[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     changes = s["membership_changes"]
     assert [(c["old_world_size"], c["new_world_size"]) for c in changes] == [(2, 1)], changes
     assert changes[0]["steps_recomputed"] >= 0 and changes[0]["time_lost_s"] > 0, changes
-    assert s["launcher"] == "slurm" and s["world_size"] == 1 and s["global_step"] == straight.summary["global_step"]
+    assert s["launcher"] == "slurm" and s["slurm_restarts"] == 1 and s["world_size"] == 1
+    assert s["global_step"] == straight.summary["global_step"]
     assert max_difference(DtfRun(0, "", "", run_dir), straight) <= 1e-5

@@ -74,7 +74,6 @@ def preempt_and_requeue(
     before a preemption (scancel --signal=USR1) once it trains, lets the requeued job start at once,
     and waits for the driver to end (exit 0 required). on_cluster: how a SLURM command reaches the
     controller (as it is, or on a host of scripts/local-hosts.sh). Returns the driver's output."""
-    import re
     import time
 
     with open(out, "w") as f:
@@ -86,26 +85,37 @@ def preempt_and_requeue(
         while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         time.sleep(1.5)
-        job = re.search(r"submitted SLURM job (\d+)", out.read_text())
-        assert job, out.read_text()
-        # what SLURM sends before preemption or the time limit (launcher.signal)
-        subprocess.run(on_cluster(["scancel", "--signal=USR1", job.group(1)]), check=True)
-        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait
-        # that out. Not within the second of the requeue either: slurmd refuses a credential issued in
-        # the second its job's old one was revoked ("Job credential revoked"), and the job would fail.
-        for _ in range(50):
-            state = subprocess.run(
-                on_cluster(["squeue", "-h", "-j", job.group(1), "-o", "%T"]), capture_output=True, text=True
-            )
-            if state.stdout.strip() == "PENDING":
-                time.sleep(1.1)
-                subprocess.run(on_cluster(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]), check=True)
-                break
-            time.sleep(0.2)
+        preempt(proc, out, on_cluster, deadline)
         assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     return out.read_text()
+
+
+def preempt(
+    proc: subprocess.Popen[bytes], out: Path, on_cluster: Callable[[list[str]], list[str]], deadline: float
+) -> None:
+    """Sends the job whose driver (proc) writes to out what SLURM sends before a preemption, waits
+    for the requeue and lets the requeued job start at once."""
+    import re
+    import time
+
+    job = re.search(r"submitted SLURM job (\d+)", out.read_text())
+    assert job, out.read_text()
+    # what SLURM sends before preemption or the time limit (launcher.signal)
+    subprocess.run(on_cluster(["scancel", "--signal=USR1", job.group(1)]), check=True)
+    while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait
+    # that out. Not within the second of the requeue either: slurmd refuses a credential issued in
+    # the second its job's old one was revoked ("Job credential revoked"), and the job would fail.
+    for _ in range(50):
+        state = subprocess.run(
+            on_cluster(["squeue", "-h", "-j", job.group(1), "-o", "%T"]), capture_output=True, text=True
+        )
+        if state.stdout.strip() == "PENDING":
+            time.sleep(1.1)
+            subprocess.run(on_cluster(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]), check=True)
+            break
+        time.sleep(0.2)
