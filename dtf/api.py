@@ -58,7 +58,7 @@ def run(
     from dtf.cli import freeze, launch_frozen, stop_line
 
     cfg, default_dir, _ = _compose(list(overrides or []), config_dir, "run")
-    frozen = freeze(cfg)  # bad input raises here, before anything is written
+    frozen = freeze(cfg, list(overrides or []))  # bad input raises here, before anything is written
     directory = make_dir(run_dir or default_dir, "run_dir" if run_dir else "hydra.run.dir")
     with _holding(frozen, directory, "run_dir" if run_dir else "hydra.run.dir"):
         _write_hydra_files(cfg, list(overrides or []), directory)
@@ -142,7 +142,7 @@ def run_function(
     else:
         raise UserError(f'run_function: mode={mode!r} is not a mode: use mode="function" or mode="torchrun"')
     cfg, default_dir = _function_config(list(overrides or []), config_dir)
-    frozen = freeze(cfg)
+    frozen = freeze(cfg, list(overrides or []))
     payload = dump(
         Payload(fn, module, train_set, test_set, dict(hparams or {}), mode, args, dict(kwargs or {}), val_set)
     )

@@ -11,7 +11,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,7 +27,7 @@ from dtf.errors import Interrupted, RankFailedError, UserError
 from dtf.files import make_dir
 from dtf.launch.base import WorkerFn
 from dtf.mlflow_sweep import link_trial
-from dtf.preflight import check_canonical_partitions, validate
+from dtf.preflight import check_canonical_partitions, refuse_unread_by_function, validate
 from dtf.rank import rank_main
 from dtf.results import (
     EXIT_FAILED,
@@ -50,12 +50,15 @@ def absolute_pythonpath() -> None:
 
 def run(cfg: DictConfig, run_dir: str) -> RunResult | None:
     """Validate, freeze and launch one run. Callable without Hydra's command line."""
-    return launch_frozen(freeze(cfg), run_dir)
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else ()
+    return launch_frozen(freeze(cfg, overrides), run_dir)
 
 
-def freeze(cfg: DictConfig) -> RunConfig:
-    """Resolve, check (UserError: one line) and freeze the config; returns it typed."""
+def freeze(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunConfig:
+    """Resolve, check (UserError: one line) and freeze the config; returns it typed. overrides: the
+    user's, that made it (what trainer=function would ignore is refused by them)."""
     absolute_pythonpath()
+    refuse_unread_by_function(cfg, overrides)
     OmegaConf.resolve(cfg)
     run = check(cfg, starting=True)
     OmegaConf.set_readonly(cfg, True)

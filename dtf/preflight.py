@@ -14,6 +14,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,32 @@ from dtf.config.targets import check_target, targets
 from dtf.config.typed import LauncherConfig, RunConfig, typed
 from dtf.dist import env as dist_env
 from dtf.errors import UserError, require
+
+# The sections trainer=function never reads (the function builds its own), and what they are.
+NOT_READ_BY_FUNCTIONS = {
+    "optimizer": "optimizer",
+    "scheduler": "learning-rate schedule",
+    "loss": "loss",
+    "metrics": "metrics",
+}
+
+
+def refuse_unread_by_function(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """trainer=function composes the sections the Trainer reads (their defaults) but never reads
+    them: a setting of one the user gave (overrides: the command line's, run_function's) would be
+    ignored, so it is refused in one line. The defaults themselves are not the user's to remove."""
+    if cfg.trainer.get("fn") is None:
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        section = override.key_or_group.split(".")[0].split("@")[0]
+        if section in NOT_READ_BY_FUNCTIONS:
+            raise UserError(
+                f"{override.input_line}: trainer=function does not use the {section} section (your function builds "
+                f"its own {NOT_READ_BY_FUNCTIONS[section]}): remove it; settings for your function go in "
+                "trainer.hparams (+trainer.hparams.lr=0.01 reaches it as hparams['lr'])"
+            )
 
 
 def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:

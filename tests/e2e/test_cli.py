@@ -205,6 +205,8 @@ def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # t
         (["data.batch_size=0"], "data.batch_size"),
         (["model._target_=mypkg.nets.Missing"], "model._target_"),
         (["checkpoint.stop_signals=[SIGTERM,SIGSTOP]"], "checkpoint.stop_signals"),
+        # a section your own function never reads (it builds its optimizer): refused, not ignored
+        (["trainer=function", "trainer.fn._target_=returned_values.accuracy", "optimizer.lr=0.5"], "optimizer.lr"),
     ],
 )
 def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: str) -> None:  # type: ignore[no-untyped-def]

@@ -37,6 +37,33 @@ def test_run_function_runs_may_name_a_returned_key_too() -> None:
     assert freeze(cfg).trainer.objective == "test/accuracy"  # refused before: no such metric
 
 
+@pytest.mark.parametrize(
+    ("override", "section", "what"),
+    [
+        ("optimizer.lr=0.5", "optimizer", "optimizer"),
+        ("optimizer=sgd", "optimizer", "optimizer"),
+        ("scheduler=cosine", "scheduler", "learning-rate schedule"),
+        ("loss=nll", "loss", "loss"),
+        ("metrics=mae", "metrics", "metrics"),
+        ("~metrics.rmse", "metrics", "metrics"),
+    ],
+)
+def test_a_section_the_function_never_reads_is_refused_not_ignored(override: str, section: str, what: str) -> None:
+    from dtf.api import _function_config
+    from dtf.cli import freeze
+    from dtf.errors import UserError
+
+    cfg, _ = _function_config([override], None)
+    with pytest.raises(UserError) as err:
+        freeze(cfg, [override])
+    assert str(err.value) == (
+        f"{override}: trainer=function does not use the {section} section (your function builds its own {what}): "
+        "remove it; settings for your function go in trainer.hparams (+trainer.hparams.lr=0.01 reaches it as "
+        "hparams['lr'])"
+    )
+    freeze(_function_config([], None)[0], ["trainer.hparams={lr: 0.5}", "model.hidden=8"])  # what it reads
+
+
 def test_a_mean_of_batch_means_is_averaged_as_returned_and_dtf_report_is_exact(tmp_path: Path) -> None:
     # 200 test points in batches of 64: 64, 64, 64, 8. The mean of the four batch means weighs
     # the last 8 points as much as 64; what dtf.report gets is the mean over the points.
