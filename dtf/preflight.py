@@ -47,21 +47,60 @@ NOT_READ_BY_FUNCTIONS = {
 }
 
 
+# The trainer keys only the Trainer's loop reads (trainer.progress is left alone: a display setting
+# a user gives every run, which a function run's own lines do not need).
+LOOP_ONLY_TRAINER_KEYS = frozenset(
+    {
+        "max_epochs",
+        "max_steps",
+        "grad_accum_steps",
+        "grad_clip_norm",
+        "lr_scaling",
+        "warmup_steps",
+        "warmup_start_factor",
+        "deterministic",
+        "eval_every_n_epochs",
+        "eval_every_n_steps",
+        "train_metrics",
+        "log_every_n_steps",
+        "step_fn",
+        "num_warmup_timing_steps",
+        "compile",
+        "activation_checkpointing",
+        "on_nonfinite",
+        "early_stopping",
+        "limit_train_batches",
+        "limit_eval_batches",
+        "overfit_batches",
+        "profiler",
+    }
+)
+_FOR_YOUR_FUNCTION = (
+    "settings for your function go in trainer.hparams (+trainer.hparams.lr=0.01 reaches it as hparams['lr'])"
+)
+
+
 def refuse_unread_by_function(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """trainer=function composes the sections the Trainer reads (their defaults) but never reads
-    them: a setting of one the user gave (overrides: the command line's, run_function's) would be
-    ignored, so it is refused in one line. The defaults themselves are not the user's to remove."""
+    them, nor the loop's trainer keys: a setting of one the user gave (overrides: the command line's,
+    run_function's) would be ignored, so it is refused in one line. The defaults themselves are
+    not the user's to remove."""
     if cfg.trainer.get("fn") is None:
         return
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for override in OverridesParser.create().parse_overrides(list(overrides)):
-        section = override.key_or_group.split(".")[0].split("@")[0]
+        key = override.key_or_group.split("@")[0]
+        section = key.split(".")[0]
         if section in NOT_READ_BY_FUNCTIONS:
             raise UserError(
                 f"{override.input_line}: trainer=function does not use the {section} section (your function builds "
-                f"its own {NOT_READ_BY_FUNCTIONS[section]}): remove it; settings for your function go in "
-                "trainer.hparams (+trainer.hparams.lr=0.01 reaches it as hparams['lr'])"
+                f"its own {NOT_READ_BY_FUNCTIONS[section]}): remove it; {_FOR_YOUR_FUNCTION}"
+            )
+        if section == "trainer" and key.split(".")[1:2] and key.split(".")[1] in LOOP_ONLY_TRAINER_KEYS:
+            raise UserError(
+                f"{override.input_line}: trainer=function does not use {'.'.join(key.split('.')[:2])} (the Trainer's "
+                f"loop reads it; your function runs its own loop): remove it; {_FOR_YOUR_FUNCTION}"
             )
 
 

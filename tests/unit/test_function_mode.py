@@ -64,6 +64,23 @@ def test_a_section_the_function_never_reads_is_refused_not_ignored(override: str
     freeze(_function_config([], None)[0], ["trainer.hparams={lr: 0.5}", "model.hidden=8"])  # what it reads
 
 
+@pytest.mark.parametrize(
+    "override", ["trainer.max_steps=5", "trainer.grad_clip_norm=1.0", "trainer.early_stopping.patience=2"]
+)
+def test_a_trainer_key_only_the_loop_reads_is_refused_with_a_function(override: str) -> None:
+    from dtf.api import _function_config
+    from dtf.cli import freeze
+    from dtf.errors import UserError
+
+    cfg, _ = _function_config([override], None)
+    with pytest.raises(UserError) as err:
+        freeze(cfg, [override])
+    key = ".".join(override.split("=")[0].split(".")[:2])
+    assert str(err.value).startswith(f"{override}: trainer=function does not use {key} (the Trainer's loop reads it")
+    seeded = _function_config(["trainer.seed=3"], None)[0]
+    assert freeze(seeded, ["trainer.seed=3"]).trainer.seed == 3  # a key the function run reads
+
+
 def test_a_mean_of_batch_means_is_averaged_as_returned_and_dtf_report_is_exact(tmp_path: Path) -> None:
     # 200 test points in batches of 64: 64, 64, 64, 8. The mean of the four batch means weighs
     # the last 8 points as much as 64; what dtf.report gets is the mean over the points.
