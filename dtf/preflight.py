@@ -90,17 +90,16 @@ def refuse_unread_by_function(cfg: DictConfig, overrides: Sequence[str]) -> None
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for override in OverridesParser.create().parse_overrides(list(overrides)):
-        key = override.key_or_group.split("@")[0]
-        section = key.split(".")[0]
+        section, *rest = override.key_or_group.split("@")[0].split(".")
         if section in NOT_READ_BY_FUNCTIONS:
             raise UserError(
                 f"{override.input_line}: trainer=function does not use the {section} section (your function builds "
                 f"its own {NOT_READ_BY_FUNCTIONS[section]}): remove it; {_FOR_YOUR_FUNCTION}"
             )
-        if section == "trainer" and key.split(".")[1:2] and key.split(".")[1] in LOOP_ONLY_TRAINER_KEYS:
+        if section == "trainer" and rest and rest[0] in LOOP_ONLY_TRAINER_KEYS:
             raise UserError(
-                f"{override.input_line}: trainer=function does not use {'.'.join(key.split('.')[:2])} (the Trainer's "
-                f"loop reads it; your function runs its own loop): remove it; {_FOR_YOUR_FUNCTION}"
+                f"{override.input_line}: trainer=function does not use trainer.{rest[0]} (the Trainer's loop reads "
+                f"it; your function runs its own loop): remove it; {_FOR_YOUR_FUNCTION}"
             )
 
 
