@@ -739,12 +739,16 @@ class LocalLauncherConfig:
         return ELASTIC_RESTARTS if low < high else 0
 
     def node_range(self) -> tuple[int, int]:
-        """(min, max) nodes; (0, 0) when launcher.nnodes is not N or MIN:MAX."""
-        low, _, high = str(self.nnodes).partition(":")
-        try:
-            return int(low), int(high or low)
-        except ValueError:
-            return 0, 0
+        return node_range(self.nnodes)
+
+
+def node_range(nodes: Any) -> tuple[int, int]:
+    """(min, max) nodes of N or MIN:MAX; (0, 0) when it is neither."""
+    low, _, high = str(nodes).partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        return 0, 0
 
 
 def check_nproc(nproc: int) -> None:
@@ -819,12 +823,7 @@ class SlurmLauncherConfig:
         require(self.time_min is not None, "launcher.time_min", self.time_min, "give the job's time limit in minutes")
 
     def node_range(self) -> tuple[int, int]:
-        """(min, max) nodes; (0, 0) when launcher.nodes is not N or MIN:MAX."""
-        low, _, high = str(self.nodes).partition(":")
-        try:
-            return int(low), int(high or low)
-        except ValueError:
-            return 0, 0
+        return node_range(self.nodes)
 
     @property
     def elastic(self) -> bool:
