@@ -2,9 +2,9 @@
 against `checkpoint.async_save=true` (the loop copies the state into shared memory; a writer
 process beside each rank writes it), in one run, alternating, as medians and ratios.
 
-    .venv/bin/python benchmarks/checkpoint.py [--repeats 3] [--width 1024] [--cases deep_mlp default]
+    .venv/bin/python benchmarks/checkpoint.py [--repeats 3] [--width 1024] [--cases deep_mlp default] [--nproc 2]
 
-Cases (2 ranks of DDP, Adam, 6 checkpoints):
+Cases (2 ranks of DDP unless --nproc says otherwise, Adam, 6 checkpoints):
 - deep_mlp: deep_mlp at the given width (1024: ~8.4 M parameters, ~100 MB of model and Adam
   state across 2 ranks of DDP), a checkpoint every 10 of 60 steps;
 - default: the default job (`python -m dtf`: the approximator, a few thousand parameters), a
@@ -12,8 +12,10 @@ Cases (2 ranks of DDP, Adam, 6 checkpoints):
   the one before to reach the disk).
 
 `checkpoint_blocked_s` in summary.json is rank 0's median time per save spent outside training
-steps. For each case it prints the blocking fraction (async blocked / sync blocked: the part of
-a synchronous save the loop still waits for), the median step times of both modes, and the
+steps (with async_save, and the wait, if any, for its background copy before the next optimizer
+step). For each case it prints the blocking fraction (async blocked / sync blocked: the part of
+a synchronous save the loop still waits for), the median step times of both modes, the time of
+all the steps (`train_seconds`: where a background copy or the writer slows training), and the
 smallest interval in steps that keeps the loop's cost of saving under 2% of the step time
 (interval >= blocked per save / (0.02 * step time)). The floors, timed here in one process on
 deep_mlp's state: the copy of the whole state into memory already allocated (an asynchronous
@@ -65,10 +67,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["deep_mlp", "default"])
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks (2 fill this machine's cores; 1 leaves one to the writer)"
+    )
     a = p.parse_args()
-    cases = {name: [*CASES[name], *([f"model.width={a.width}"] if name == "deep_mlp" else [])] for name in a.cases}
+    cases = {
+        name: [*CASES[name], f"launcher.nproc={a.nproc}", *([f"model.width={a.width}"] if name == "deep_mlp" else [])]
+        for name in a.cases
+    }
     blocked: dict[tuple[str, bool], list[float]] = {(c, m): [] for c in cases for m in (False, True)}
     steps: dict[tuple[str, bool], list[float]] = {(c, m): [] for c in cases for m in (False, True)}
+    training: dict[tuple[str, bool], list[float]] = {(c, m): [] for c in cases for m in (False, True)}
     print(f"load average at the start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
@@ -77,6 +86,7 @@ def main() -> None:
                     s = run(Path(tmp) / f"{name}-{i}-{async_save}", case, async_save)
                     blocked[name, async_save].append(s["checkpoint_blocked_s"])
                     steps[name, async_save].append(s["step_time_s"])
+                    training[name, async_save].append(s["train_seconds"])
                     print(
                         f"repeat {i} {name} async={async_save}: blocked {s['checkpoint_blocked_s'] * 1e3:.1f} ms per "
                         f"save, {s['checkpoints_saved']} saves, step {s['step_time_s'] * 1e3:.1f} ms",
@@ -91,6 +101,11 @@ def main() -> None:
         print(f"  blocking fraction async/sync {async_ms / sync_ms:.3f} (of a synchronous save, what the loop waits)")
         ratio = async_step / sync_step
         print(f"  median step: sync {sync_step:.1f} ms, async {async_step:.1f} ms (async/sync {ratio:.3f})")
+        sync_s, async_s = (statistics.median(training[name, m]) for m in (False, True))
+        print(
+            f"  all the steps (saves not counted): sync {sync_s:.2f} s, async {async_s:.2f} s (async/sync "
+            f"{async_s / sync_s:.3f}: what the writer and the background copy take from training)"
+        )
         for mode, ms in (("sync", sync_ms), ("async", async_ms)):
             every = math.ceil(ms / (COST_BUDGET * sync_step))
             print(f"  saving costs under {COST_BUDGET:.0%} of the step time with {mode} saves every {every}+ steps")

@@ -438,19 +438,32 @@ class Checkpointer:
     def is_due(self, step: int, last: bool) -> bool:
         return bool(self.every_n_steps and step % self.every_n_steps == 0) or (last and self.at_end)
 
-    def save(self, step: int, what: Saveable, *, last: bool = False, force: bool = False) -> bool:
+    def save(
+        self, step: int, what: Saveable, *, last: bool = False, force: bool = False, later: frozenset[int] = frozenset()
+    ) -> bool:
         """Collective: every rank calls it at every step boundary (last: the run's final step;
-        force: save whether due or not, for a stop). Returns whether it saved."""
+        force: save whether due or not, for a stop). Returns whether it saved. later: as write's."""
         if not (force or self.is_due(step, last)):
             return False
         t0 = time.perf_counter()
-        self.write(step, what.app_state(), what.state_dict())
+        self.write(step, what.app_state(), what.state_dict(), later)
         self.blocked_s.append(time.perf_counter() - t0)
         return True
 
-    def write(self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+    def wait_staged(self) -> None:
+        """Before the tensors named `later` at the last save change: waits until the save in
+        flight has copied them. The wait counts as that save's time blocked."""
+        t0 = time.perf_counter()
+        if self.writer is not None and self.writer.wait_staged() and self.blocked_s:
+            self.blocked_s[-1] += time.perf_counter() - t0
+
+    def write(
+        self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any], later: frozenset[int] = frozenset()
+    ) -> Path:
         """Collective: writes the checkpoint of this step now (committed at once, or once every
-        rank's writer has written its part)."""
+        rank's writer has written its part). later (async_save): the data_ptr()s of tensors of
+        app_state that the caller leaves unchanged until it calls wait_staged; they are copied in
+        the background until then."""
         self.finish()  # at most one save in flight: the one before is committed first
         path = self.path_of(step)
         self.last_saved_step = step
@@ -460,7 +473,7 @@ class Checkpointer:
         request = SaveRequest(path, app_state, files)
         with self._failing_save(step, path):
             if self.writer is not None:
-                self.writer.submit(request)  # returns once the state is copied to memory
+                self.writer.submit(request, later)  # returns once the state (but `later`) is copied to memory
                 self._pending = (step, path)
             else:
                 self._commit(step, path, write_files(request, self.env.rank, self.env.world_size))

@@ -10,6 +10,12 @@ first (WrittenBuffers), so each of 2 DDP ranks copies about half its state. Anyt
 memory, DTensor shards) goes through torch's DefaultStager, which pins on CUDA and also reuses its
 buffers, but deep-copies the state and passes every buffer's file descriptor again at each save.
 
+The tensors that only the optimizer step changes (parameters and optimizer state: the caller names
+them) need not be copied before the loop goes on: a thread copies them while the next step's
+forward and backward run (torch's copy releases the GIL), and the loop waits for it before that
+step's optimizer step (wait_staged), as torchtitan waits for DCP's asynchronous staging. Everything
+else (buffers, which a forward may change) is copied before submit returns.
+
 The writer process then does what a synchronous save does (dtf.train.checkpoint.write_files:
 the small files, DCP's shards through its own gloo group, the CRC32 of every file it wrote) and
 answers with the checksums; the commit marker is written by the ranks as before, once every
@@ -29,11 +35,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
 import uuid
+import weakref
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, cast
@@ -95,6 +104,10 @@ class BackgroundWriter:
         theirs.close()
         self._expected: deque[str] = deque()  # what was sent and not yet answered, in order
         self._replies: deque[Any] = deque()  # answers received early (done), in the same order
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"dtf-checkpoint-staging-{rank}")
+        self._staging: Future[None] | None = None  # the copy of the tensors left to copy, then the send
+        self._unsent: BaseException | None = None  # why the save in flight never reached the writer
+        os.register_at_fork(before=functools.partial(_copied_before_fork, weakref.ref(self)))
         # Before multiprocessing's own exit handler, which would wait for a writer that ignores SIGTERM.
         atexit.register(self.close)
 
@@ -102,23 +115,54 @@ class BackgroundWriter:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def submit(self, request: Any) -> None:
+    def submit(self, request: Any, later: frozenset[int] = frozenset()) -> None:
         """Copies the request's state into the shared buffers and hands the save over; returns at
-        once. The previous save must be finished (result taken): its buffers are overwritten."""
+        once. later: the data_ptr()s of tensors that do not change before the caller's next
+        wait_staged(), copied in the background until then (CPU tensors staged in StateBuffers
+        only). The previous save must be finished (result taken): its buffers are overwritten."""
+        self.wait_staged()
         assert "save" not in self._expected, "one save at a time"
-        staged: Any = None if self._on_gpu else self._buffers.stage(request.state)
+        staged: Any = None if self._on_gpu else self._buffers.stage(request.state, later)
         if staged is None:
             staged = self._stager.stage(request.state)  # not a Future: staging is synchronous
-        self._conn.send(dataclasses.replace(request, state=cast(dict[str, Any], staged)))
+        message = dataclasses.replace(request, state=cast(dict[str, Any], staged))
         self._expected.append("save")
+        if self._buffers.left_to_copy:
+            self._staging = self._copier.submit(self._copy_and_send, message)
+        else:
+            self._conn.send(message)
+
+    def _copy_and_send(self, message: Any) -> None:
+        """The staging thread: the tensors left to copy, then the save to the writer."""
+        self._buffers.copy_the_rest()
+        self._conn.send(message)
+
+    def wait_staged(self) -> bool:
+        """Waits until the save in flight, if any, is copied (the tensors named `later` may change
+        from then on). Whether it had to wait. A failed copy is the save's failure (from result)."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return False
+        waited = not staging.done()
+        error = staging.exception()
+        if error is not None:
+            self._buffers.left_to_copy.clear()
+            self._unsent = error
+        return waited
 
     def commit(self, request: Request) -> None:
         """Hands a commit over (rank 0): the writer writes the marker before anything sent after it."""
+        self.wait_staged()
         self._conn.send(request)
         self._expected.append("commit")
 
     def done(self) -> bool:
         """Whether the save in flight has been written (its result is waiting)."""
+        if self._staging is not None and not self._staging.done():
+            return False  # not even sent
+        self.wait_staged()
+        if self._unsent is not None:
+            return True  # its failure is waiting
         while self._expected and len(self._replies) < len(self._expected) and self._conn.poll():
             self._replies.append(self._receive())
         return "save" in list(self._expected)[: len(self._replies)]
@@ -134,8 +178,12 @@ class BackgroundWriter:
 
     def _take(self, kind: str) -> Any:
         """The reply to the oldest message in flight, which must be of this kind (replies come in order)."""
+        self.wait_staged()
         assert self._expected and self._expected[0] == kind, f"no {kind} is the next in flight"
         self._expected.popleft()
+        if kind == "save" and self._unsent is not None:
+            unsent, self._unsent = self._unsent, None
+            raise unsent
         reply = self._replies.popleft() if self._replies else self._receive()
         if isinstance(reply, BaseException):
             raise reply
@@ -158,6 +206,8 @@ class BackgroundWriter:
         atexit.unregister(self.close)
         if self._conn.closed:
             return
+        self.wait_staged()
+        self._copier.shutdown()
         if self._process.is_alive():
             with contextlib.suppress(OSError):
                 self._conn.send(_STOP)
@@ -167,6 +217,13 @@ class BackgroundWriter:
                 self._process.join()
         self._conn.close()
         self._stager.close()
+
+
+def _copied_before_fork(ref: weakref.ref[BackgroundWriter]) -> None:
+    """A fork (a DataLoader's workers) copies this process as it is: never in the middle of a copy."""
+    writer = ref()
+    if writer is not None and writer._staging is not None:
+        wait([writer._staging])
 
 
 def _serve(
@@ -246,11 +303,14 @@ class StateBuffers:
         self._buffers: list[torch.Tensor] = []
         self._layout: Any = None
         self._written: frozenset[int] | None = None  # of the current buffers (None: not known yet)
+        self.left_to_copy: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor) for copy_the_rest
 
-    def stage(self, state: Any) -> Staged | None:
+    def stage(self, state: Any, later: frozenset[int] = frozenset()) -> Staged | None:
         """state copied (None: it holds something other than plain CPU tensors in containers, and
         scalars, which DefaultStager copies instead: a tensor subclass, or an object that may hold
-        tensors)."""
+        tensors), but for the tensors whose data_ptr() is in `later`: those are left to
+        copy_the_rest, and the staged state is complete once it has run."""
+        self.left_to_copy = []
         leaves, spec = tree_flatten(state)  # one walk: the leaves, and the keys and containers
         if not all(
             (type(leaf) is torch.Tensor and leaf.device.type == "cpu") or isinstance(leaf, _ATOMS) for leaf in leaves
@@ -268,11 +328,22 @@ class StateBuffers:
             self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout[1]]
             self._layout, self._written = layout, None
         fresh = self._written
+        wanted = [
+            (b, t) for i, (b, t) in enumerate(zip(self._buffers, tensors, strict=True)) if fresh is None or i in fresh
+        ]
+        self.left_to_copy = [(b, t) for b, t in wanted if t.data_ptr() in later]
         with torch.no_grad():
-            for i, (buffer, tensor) in enumerate(zip(self._buffers, tensors, strict=True)):
-                if fresh is None or i in fresh:
+            for buffer, tensor in wanted:
+                if tensor.data_ptr() not in later:
                     buffer.copy_(tensor)
         return Staged(skeleton, self._buffers if new else None, fresh)
+
+    def copy_the_rest(self) -> None:
+        """The copies stage left (in any thread: torch's copy releases the GIL)."""
+        left, self.left_to_copy = self.left_to_copy, []
+        with torch.no_grad():  # grad mode is the thread's own
+            for buffer, tensor in left:
+                buffer.copy_(tensor)
 
     def learn(self, written: frozenset[int]) -> None:
         """The buffers the writer wrote at the last save: the only ones the next saves copy."""

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dtf import elastic
@@ -241,6 +242,7 @@ class Trainer:
         if self.nonfinite.step_is_finite(self.model, grad_norm):
             for loss, count in losses:
                 self.train_loss.update(loss, count)
+            self.checkpointer.wait_staged()  # an asynchronous save's copy of what the step changes
             stepped = self.precision.step(self.optimizer)
         elif self.nonfinite.stops:
             self._stop_nonfinite(self.state.step + 1, "the loss or its gradients are not finite (NaN or inf)")
@@ -298,10 +300,18 @@ class Trainer:
             self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
-        if self.checkpointer.save(step, self, last=last, force=stop or keep):
+        if self.checkpointer.save(step, self, last=last, force=stop or keep, later=self._changed_by_optimizer_steps()):
             self.beat.mark("after a checkpoint")
             self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
+
+    def _changed_by_optimizer_steps(self) -> frozenset[int]:
+        """Where this rank's parameters and optimizer state are (data_ptr): only an optimizer step
+        changes them, so an asynchronous save copies them while the next step's forward and
+        backward run (_train_window waits for the copy before it steps). A forward may change the
+        buffers: those are copied before the save returns."""
+        tensors = self.strategy.local_state_tensors(self.model, self.optimizer)
+        return frozenset(t.data_ptr() for t in tensors if not isinstance(t, DTensor))
 
     def _check_state_finite(self, step: int) -> None:
         """Before a checkpoint (or model.pt) is written from it: the state must be finite (an

@@ -237,3 +237,100 @@ def test_the_writers_buffers_are_made_once_per_layout_and_all_but_plain_cpu_tens
     linear = torch.nn.Linear(2, 2)
     module_state = {"model": linear.state_dict(), "optim": torch.optim.Adam(linear.parameters()).state_dict()}
     assert buffers.stage(module_state) is not None  # a module's OrderedDict and an optimizer's state
+
+
+def test_tensors_named_later_are_left_to_copy_the_rest_and_the_others_are_copied_at_once() -> None:
+    from dtf.train.checkpoint_writer import StateBuffers
+
+    weight, running_mean = torch.zeros(3), torch.zeros(2)
+    buffers = StateBuffers()
+    staged = buffers.stage({"weight": weight, "running_mean": running_mean}, later=frozenset({weight.data_ptr()}))
+    assert staged is not None and staged.buffers is not None
+    weight.add_(1.0)  # before copy_the_rest: the copy holds this
+    running_mean.add_(1.0)  # after stage returned: the copy does not
+    buffers.copy_the_rest()
+    rebuilt = staged.rebuild(staged.buffers)
+    assert rebuilt["weight"].tolist() == [1.0] * 3 and rebuilt["running_mean"].tolist() == [0.0] * 2
+    assert buffers.left_to_copy == []
+
+
+def _plain(state: object) -> object:
+    """state with its OrderedDicts as dicts (a state dict's, not a loaded checkpoint's)."""
+    if isinstance(state, dict):
+        return {key: _plain(value) for key, value in state.items()}
+    return [_plain(v) for v in state] if isinstance(state, list) else state
+
+
+def test_an_async_save_copies_the_parameters_during_the_next_steps_forward_and_holds_its_own_steps_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop goes on while a thread copies the parameters and optimizer state; it waits for
+    the copy before the next optimizer step. The copy slowed here: saved without that wait, each
+    checkpoint would hold the next step's parameters, not the state the loop had when it saved."""
+    import time
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.utils._pytree import tree_flatten
+
+    from dtf.train import checkpoint_writer
+    from dtf.train.checkpoint import Checkpointer
+    from tests.helpers.inprocess import train_in_process
+
+    copy_the_rest, write = checkpoint_writer.StateBuffers.copy_the_rest, Checkpointer.write
+    left: list[int] = []
+    when_saved: dict[int, object] = {}
+
+    def slowly(self: checkpoint_writer.StateBuffers) -> None:
+        left.append(len(self.left_to_copy))
+        time.sleep(0.2)
+        copy_the_rest(self)
+
+    def noting(self: Checkpointer, step: int, app_state: dict[str, object], *args: object) -> Path:
+        when_saved[step] = copy.deepcopy(app_state)
+        return write(self, step, app_state, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoint_writer.StateBuffers, "copy_the_rest", slowly)
+    monkeypatch.setattr(Checkpointer, "write", noting)
+    overrides = [
+        "optimizer=adam",
+        "data.dataset.num_points=400",
+        "data.dataset.num_test=40",
+        "trainer.max_steps=6",
+        "trainer.progress=off",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep_last=3",
+        "checkpoint.async_save=true",
+    ]
+    s = train_in_process(overrides, tmp_path / "run")
+    assert s["checkpoints_saved"] == 3 and sorted(when_saved) == [2, 4, 6], (s, sorted(when_saved))
+    assert len(left) == 3 and all(left), left  # each save left the parameters and the optimizer state to the thread
+    for path in committed(tmp_path / "run" / "checkpoints"):
+        dcp_to_torch_save(path, tmp_path / "whole.pt")
+        saved, spec = tree_flatten(_plain(torch.load(tmp_path / "whole.pt", weights_only=False)))
+        truth, truth_spec = tree_flatten(_plain(when_saved[int(path.name.split("_")[1])]))
+        assert spec == truth_spec
+        for mine, true in zip(saved, truth, strict=True):
+            assert torch.equal(mine, true) if isinstance(mine, torch.Tensor) else mine == true, path.name
+
+
+def test_a_background_copy_that_fails_is_the_saves_failure_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dtf.config.schema import CheckpointConfig
+    from dtf.train import checkpoint_writer
+    from dtf.train.checkpoint import Checkpointer
+
+    def fails(self: checkpoint_writer.StateBuffers) -> None:
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(checkpoint_writer.StateBuffers, "copy_the_rest", fails)
+    weight = torch.ones(4)
+    in_background = Checkpointer(CheckpointConfig(async_save=True), tmp_path, _env(), strategy_name="ddp")
+    try:
+        path = in_background.write(5, {"model": {"weight": weight}}, {"step": 5}, later=frozenset({weight.data_ptr()}))
+        in_background.wait_staged()  # the loop goes on to its optimizer step: the failure waits for the commit
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            in_background.finish()
+        assert not path.exists() and committed(tmp_path) == []
+    finally:
+        in_background.close()
