@@ -295,14 +295,15 @@ class Trainer:
             keep = self._evaluate_within_epoch(progress)
             last = last or bool(self.state.stopped_early)
         stop = self.control.should_stop(step, last)
-        if stop or keep or self.checkpointer.is_due(step, last):
-            self.beat.mark("saving a checkpoint")
-            self._check_state_finite(step)
+        if not (stop or keep or self.checkpointer.is_due(step, last)):
+            return stop
+        self.beat.mark("saving a checkpoint")
+        self._check_state_finite(step)
         # Saved at the step boundary, before any end-of-epoch work: a resumed run continues from
         # this exact sample, as if it had never stopped.
-        if self.checkpointer.save(step, self, last=last, force=stop or keep, later=self._changed_by_optimizer_steps()):
-            self.beat.mark("after a checkpoint")
-            self._t_last = self._sync_time()  # a checkpoint save is not a training step
+        self.checkpointer.save(step, self, last=last, force=True, later=self._changed_by_optimizer_steps())
+        self.beat.mark("after a checkpoint")
+        self._t_last = self._sync_time()  # a checkpoint save is not a training step
         return stop
 
     def _changed_by_optimizer_steps(self) -> frozenset[int]:
