@@ -274,10 +274,13 @@ def test_an_async_save_copies_the_parameters_during_the_next_steps_forward_and_h
 
     from dtf.train import checkpoint_writer
     from dtf.train.checkpoint import Checkpointer
+    from dtf.train.trainer import Trainer
     from tests.helpers.inprocess import train_in_process
 
     copy_the_rest, write = checkpoint_writer.StateBuffers.copy_the_rest, Checkpointer.write
+    changed = Trainer._changed_by_optimizer_steps
     left: list[int] = []
+    listed: list[int] = []  # the steps at which the trainer listed the tensors to copy later
     when_saved: dict[int, object] = {}
 
     def slowly(self: checkpoint_writer.StateBuffers) -> None:
@@ -289,8 +292,13 @@ def test_an_async_save_copies_the_parameters_during_the_next_steps_forward_and_h
         when_saved[step] = copy.deepcopy(app_state)
         return write(self, step, app_state, *args)  # type: ignore[arg-type]
 
+    def counted(self: Trainer) -> frozenset[int]:
+        listed.append(self.state.step)
+        return changed(self)
+
     monkeypatch.setattr(checkpoint_writer.StateBuffers, "copy_the_rest", slowly)
     monkeypatch.setattr(Checkpointer, "write", noting)
+    monkeypatch.setattr(Trainer, "_changed_by_optimizer_steps", counted)
     overrides = [
         "optimizer=adam",
         "data.dataset.num_points=400",
@@ -304,6 +312,7 @@ def test_an_async_save_copies_the_parameters_during_the_next_steps_forward_and_h
     s = train_in_process(overrides, tmp_path / "run")
     assert s["checkpoints_saved"] == 3 and sorted(when_saved) == [2, 4, 6], (s, sorted(when_saved))
     assert len(left) == 3 and all(left), left  # each save left the parameters and the optimizer state to the thread
+    assert listed == [2, 4, 6], listed  # at the saves only: not work added to every step
     for path in committed(tmp_path / "run" / "checkpoints"):
         dcp_to_torch_save(path, tmp_path / "whole.pt")
         saved, spec = tree_flatten(_plain(torch.load(tmp_path / "whole.pt", weights_only=False)))
