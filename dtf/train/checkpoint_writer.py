@@ -144,10 +144,7 @@ class BackgroundWriter:
         if staging is None:
             return False
         waited = not staging.done()
-        error = staging.exception()
-        if error is not None:
-            self._buffers.left_to_copy.clear()
-            self._unsent = error
+        self._unsent = staging.exception()
         return waited
 
     def commit(self, request: Request) -> None:
@@ -328,26 +325,27 @@ class StateBuffers:
             self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout[1]]
             self._layout, self._written = layout, None
         fresh = self._written
-        wanted = [
-            (b, t) for i, (b, t) in enumerate(zip(self._buffers, tensors, strict=True)) if fresh is None or i in fresh
-        ]
-        self.left_to_copy = [(b, t) for b, t in wanted if t.data_ptr() in later]
-        with torch.no_grad():
-            for buffer, tensor in wanted:
-                if tensor.data_ptr() not in later:
-                    buffer.copy_(tensor)
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, pair in enumerate(zip(self._buffers, tensors, strict=True)):
+            if fresh is None or i in fresh:
+                (self.left_to_copy if pair[1].data_ptr() in later else now).append(pair)
+        _copy(now)
         return Staged(skeleton, self._buffers if new else None, fresh)
 
     def copy_the_rest(self) -> None:
         """The copies stage left (in any thread: torch's copy releases the GIL)."""
         left, self.left_to_copy = self.left_to_copy, []
-        with torch.no_grad():  # grad mode is the thread's own
-            for buffer, tensor in left:
-                buffer.copy_(tensor)
+        _copy(left)
 
     def learn(self, written: frozenset[int]) -> None:
         """The buffers the writer wrote at the last save: the only ones the next saves copy."""
         self._written = written
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():  # grad mode is each thread's own
+        for buffer, tensor in pairs:
+            buffer.copy_(tensor)
 
 
 @dataclasses.dataclass(frozen=True)
