@@ -28,12 +28,13 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlanner
 
@@ -203,6 +204,62 @@ def file_crc32(path: Path) -> str:
 
 def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+class ChecksummedFiles(FileSystem):
+    """DCP's local file system, which also takes each file's record (size, CRC32) from the bytes as
+    DCP writes them: the same record file_record would read back, without reading the file again
+    (which doubled the memory traffic of a save). DCP writes every file front to back through the
+    stream's write(); a file whose size on disk is not what went through write() is read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}  # file name -> record, as finally named
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            counted = _ChecksummedStream(stream)
+            yield cast(io.IOBase, counted)
+        file = Path(path)
+        streamed = {"size": counted.size, "crc32": f"{counted.crc:08x}"}
+        self.records[file.name] = streamed if file.stat().st_size == counted.size else file_record(file)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP's .metadata is written under a temporary name
+        record = self.records.pop(Path(path).name, None)
+        if record is not None:
+            self.records[Path(new_path).name] = record
+
+
+class _ChecksummedStream:
+    """A file opened for writing, counting and checksumming what is written through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")[:written]
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return written
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (fsync), close: the file's own
+        return getattr(self._raw, name)
+
+
+def _storage_writer(path: Path, files: ChecksummedFiles) -> FileSystemWriter:
+    """What dcp.save(checkpoint_id=path) would write with (its defaults), on files."""
+    writer = FileSystemWriter(str(path))
+    writer.fs = files
+    return writer
 
 
 @dataclass(frozen=True)
@@ -389,11 +446,13 @@ def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, d
         path.mkdir(parents=True)
     if world_size > 1:
         dist.barrier()
+    records = {}
     for name, data in request.files.items():
         write_atomically(path / name, data, durable=True)
-    dcp.save(request.state, checkpoint_id=str(path), planner=request.planner)
-    mine = (f"__{rank}_", f"rank_{rank}.pt", *((".metadata", TRAINER_FILE) if rank == 0 else ()))
-    return {f.name: file_record(f) for f in path.iterdir() if f.is_file() and f.name.startswith(mine)}
+        records[name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    files = ChecksummedFiles()
+    dcp.save(request.state, storage_writer=_storage_writer(path, files), planner=request.planner)
+    return records | files.records
 
 
 class Saveable(Protocol):

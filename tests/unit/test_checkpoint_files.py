@@ -343,3 +343,24 @@ def test_a_background_copy_that_fails_is_the_saves_failure_and_leaves_nothing_be
         assert not path.exists() and committed(tmp_path) == []
     finally:
         in_background.close()
+
+
+def test_the_records_taken_from_the_bytes_dcp_writes_equal_the_files_read_back(tmp_path: Path) -> None:
+    from dtf.train.checkpoint import ChecksummedFiles, _storage_writer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    files = ChecksummedFiles()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "note": "not a tensor"}
+    dcp.save(state, storage_writer=_storage_writer(tmp_path, files), no_dist=True)
+    on_disk = {f.name: file_record(f) for f in tmp_path.iterdir()}
+    assert files.records == on_disk and {".metadata", "__0_0.distcp"} <= on_disk.keys()  # .metadata as renamed
+    # A file not written front to back through the stream is read back instead.
+    with files.create_stream(tmp_path / "patched", "wb") as stream:
+        stream.write(b"abcdef")
+        stream.seek(2)
+        stream.write(b"Z")
+    assert files.records["patched"] == file_record(tmp_path / "patched") == {"size": 6, "crc32": "c6ad8ec4"}
