@@ -293,7 +293,10 @@ class SlurmLauncher(Launcher):
             raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None
         print(f"dtf: submitted SLURM job {job.job_id}; logs in {Path(run_dir) / JOB_FOLDER}", flush=True)
         c = self.cfg
-        tasks = (nodes, 1, True) if c.elastic else (c.nproc, c.tasks_per_node, False)
+        # What the job asks each node for, as the user set it (an elastic job runs one task per node,
+        # the node's agent, with CPUs for all of its ranks).
+        asked = f"{nodes} node(s) x {c.tasks_per_node} task(s) x {c.cpus_per_task} CPU(s)"
+        tasks = (nodes, True, asked) if c.elastic else (c.nproc, False, asked)
         # Hydra's basic sweeper: every point is submitted first; SweepJobs waits for them all at the end.
         # Any other sweeper needs each point's objective before it picks the next: waited for here.
         if hydra_sweep.in_basic_sweep():
@@ -313,7 +316,7 @@ class SlurmLauncher(Launcher):
 
 
 # Jobs of this process's sweep (Hydra's basic sweeper), waited for by SweepJobs once all are submitted.
-SUBMITTED: list[tuple[Any, str, int, int, bool]] = []
+SUBMITTED: list[tuple[Any, str, int, bool, str]] = []
 
 
 class SweepJobs(Callback):
@@ -323,9 +326,9 @@ class SweepJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = 0
         while SUBMITTED:
-            job, run_dir, tasks, tasks_per_node, elastic = SUBMITTED.pop(0)
+            job, run_dir, tasks, elastic, asked = SUBMITTED.pop(0)
             try:
-                result = wait_for(job, run_dir, tasks, tasks_per_node, elastic, stream=False)
+                result = wait_for(job, run_dir, tasks, elastic, asked, stream=False)
                 if isinstance(result, Finished):
                     loss = result.summary["final_train_loss"]
                     done = f"final train loss {loss:.6g}; summary {Path(run_dir) / 'summary.json'}"
@@ -377,13 +380,12 @@ def job_state(job_id: str) -> tuple[str, str] | None:
 LEAVE_QUEUE_S = 120.0
 
 
-def wait_for(
-    job: Any, run_dir: str, tasks: int, tasks_per_node: int, elastic: bool = False, stream: bool = True
-) -> Finished | Stopped:
+def wait_for(job: Any, run_dir: str, tasks: int, elastic: bool, asked: str, stream: bool = True) -> Finished | Stopped:
     """Streams rank 0's output while the job runs (through requeues), then returns its result once
     the job has left the queue: not while it still runs or is COMPLETING, so that whoever comes next
     (another job, `scripts/local-slurm.sh stop`) finds the node free. elastic: the tasks are the
-    job's nodes, any of which may hold rank 0's result, and a lost node's none."""
+    job's nodes, any of which may hold rank 0's result, and a lost node's none. asked: what the job
+    asked SLURM for, in the user's terms."""
     from submitit.core.utils import JobPaths, pickle_load
 
     paths = [JobPaths(job.paths.folder, job.job_id, task_id=i) for i in range(tasks)]
@@ -399,7 +401,7 @@ def wait_for(
             subprocess.run(["scancel", job.job_id], timeout=60)  # our own job, which would wait forever
             raise UserError(
                 f"launcher=slurm: SLURM job {job.job_id} can never start (pending for {state[1]}): the partition "
-                f"cannot give {tasks // tasks_per_node} node(s) x {tasks_per_node} task(s) with these settings; "
+                f"cannot give {asked}; "
                 "lower launcher.nodes, launcher.tasks_per_node or launcher.cpus_per_task, or pick launcher.partition"
             )
         have_results = node_outcome(paths) is not None if elastic else all(p.result_pickle.exists() for p in paths)

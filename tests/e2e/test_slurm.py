@@ -108,11 +108,14 @@ def test_no_slurm_on_the_machine_is_one_line(dtf) -> None:  # type: ignore[no-un
     ]
 
 
-def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("launcher=slurm", "launcher.tasks_per_node=64", timeout=120)
+@pytest.mark.parametrize("nodes", ["1", "1:2"])  # an elastic job asks each node for one task with every rank's CPUs
+def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf, nodes: str) -> None:  # type: ignore[no-untyped-def]
+    run = dtf("launcher=slurm", "launcher.tasks_per_node=64", f"launcher.nodes={nodes}", timeout=120)
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "can never start" in lines[0] and "launcher.tasks_per_node" in lines[0]
+    asked = "2 node(s)" if nodes == "1:2" else "1 node(s)"
+    assert f"cannot give {asked} x 64 task(s) x 1 CPU(s);" in lines[0]
     job = _job_id(run)
     state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
     assert state in ("", "CANCELLED")  # dtf cancelled its job instead of leaving it pending forever

@@ -162,9 +162,7 @@ def slurm_launcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     executor = FakeExecutor()
     monkeypatch.setattr(slurm.SlurmLauncher, "_executor", lambda self, run_dir, nodes: executor)
 
-    def fake_wait_for(
-        job: Any, run_dir: str, tasks: int, tasks_per_node: int, elastic: bool = False, stream: bool = True
-    ) -> Finished:
+    def fake_wait_for(job: Any, run_dir: str, tasks: int, elastic: bool, asked: str, stream: bool = True) -> Finished:
         waited.append(job.job_id)
         return Finished({"objective": 0.5})
 
