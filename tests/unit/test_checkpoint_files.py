@@ -196,6 +196,9 @@ def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a
                 for p in model.parameters():
                     p.add_(1.0)
             optimizer.param_groups[0]["lr"] /= 2
+        writer = in_background.writer.pid
+        if hasattr(os, "SCHED_IDLE"):  # it takes only the time the ranks leave (after its first save, surely set)
+            assert os.sched_getscheduler(writer) == os.SCHED_IDLE
         in_background.close()
     finally:
         if in_background.writer is not None:
