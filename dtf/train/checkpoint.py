@@ -206,6 +206,11 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "crc32": file_crc32(path)}
 
 
+def bytes_record(size: int, crc: int) -> dict[str, Any]:
+    """The record file_record would read back from a file of these bytes (their count and CRC32)."""
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
 class ChecksummedFiles(FileSystem):
     """DCP's local file system, which also takes each file's record (size, CRC32) from the bytes as
     DCP writes them: the same record file_record would read back, without reading the file again
@@ -218,16 +223,15 @@ class ChecksummedFiles(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
             counted = _ChecksummedStream(stream)
             yield cast(io.IOBase, counted)
         file = Path(path)
-        streamed = {"size": counted.size, "crc32": f"{counted.crc:08x}"}
-        self.records[file.name] = streamed if file.stat().st_size == counted.size else file_record(file)
+        streamed = file.stat().st_size == counted.size
+        self.records[file.name] = bytes_record(counted.size, counted.crc) if streamed else file_record(file)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # DCP's .metadata is written under a temporary name
@@ -449,7 +453,7 @@ def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, d
     records = {}
     for name, data in request.files.items():
         write_atomically(path / name, data, durable=True)
-        records[name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        records[name] = bytes_record(len(data), zlib.crc32(data))
     files = ChecksummedFiles()
     dcp.save(request.state, storage_writer=_storage_writer(path, files), planner=request.planner)
     return records | files.records
