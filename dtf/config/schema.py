@@ -683,7 +683,7 @@ class LocalLauncherConfig:
     max_restarts: int | None = None
     # Seconds between the agent's health checks of the ranks.
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    start_method: str = "forkserver"
     # Echo the other ranks' output to the console too (it always goes to <run_dir>/logs).
     tee_all_ranks: bool = False
     # Extra environment variables for every rank (e.g. OMP_NUM_THREADS).

@@ -16,9 +16,11 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from multiprocessing import util as mp_util
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -108,6 +110,7 @@ class LocalLauncher(Launcher):
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
+        mp_util.get_temp_dir()  # the forkserver's socket lives there: not in the run dir's long path
         try:
             with (
                 standard_start_method(self.cfg.start_method),
@@ -116,6 +119,7 @@ class LocalLauncher(Launcher):
                 between_nodes(nodes),
                 watch.watching(),
                 ranks_without_main(),
+                preloaded_forkserver(self.cfg.start_method, rank_imports(cfg), stop_signals),
             ):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
@@ -205,6 +209,7 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
     (docs/development.md). Signals still reach the ranks: the terminal's Ctrl-C/SIGHUP and a kill
     of the driver reach the agent, which stops the ranks (signals_to_handle), or passes stop
     signals on to them (StopForwarding), by pid; SLURM tracks the processes of a job, not sessions."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())  # the forkserver's blocked signals (preloaded_forkserver)
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
@@ -301,6 +306,71 @@ def ranks_without_main() -> Iterator[None]:
         yield
     finally:
         spawn.get_preparation_data = prepare
+
+
+def rank_imports(cfg: DictConfig) -> list[str]:
+    """What every rank of this run imports before its first step: ~3-5 s of CPU each (torch, the
+    loop, torch._dynamo at the optimizer's first step, torchmetrics when the run has metrics)."""
+    return ["dtf.rank", "dtf.train.loop", "torch._dynamo"] + (["torchmetrics"] if cfg.get("metrics") else [])
+
+
+# Signals a forkserver outlives: SLURM and a `kill` of the whole job send them to every process, and
+# a dead forkserver reports the ranks it started as failed (exit status 255) while they still run.
+_FORKSERVER_BLOCKS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+@contextlib.contextmanager
+def preloaded_forkserver(method: str, modules: list[str], stop_signals: list[str]) -> Iterator[None]:
+    """With launcher.start_method=forkserver (the default), one process imports what the ranks
+    need (rank_imports) and forks every rank from it, instead of each rank importing it all again
+    as spawned ranks do: a run's start costs the CPU of one rank's imports, not nproc's. The server
+    is this run's own: started here, with this run's environment (which a forked rank inherits, as a
+    spawned one inherits the driver's), and let go at the end, so the next run in this process (a
+    sweep, dtf.run called again) gets a new one with its own environment.
+
+    It starts with the signals that may be sent to every process blocked (not ignored: a rank
+    forked from it unblocks them first thing, in_own_session, and one sent meanwhile then acts)."""
+    if method != "forkserver":
+        yield
+        return
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(modules)
+    blocked = {signal.Signals[name] for name in (*_FORKSERVER_BLOCKS, *stop_signals)}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    try:
+        yield
+    finally:
+        _let_go_of_forkserver()
+
+
+def _let_go_of_forkserver() -> None:
+    """multiprocessing keeps one forkserver per process and stops it only at exit (its _stop, for
+    its own tests, waits for every process forked from it). Here: close this process's end of its
+    "alive" pipe, which ends the server once the last rank it forked has ended too, reap it in the
+    background, and forget it, so that the next run starts its own."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    with server._lock:
+        pid, address = server._forkserver_pid, server._forkserver_address
+        if pid is None:
+            return
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+    if address and not mp_util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    threading.Thread(target=_reap, args=(pid,), name="dtf-forkserver-reaper", daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 @contextlib.contextmanager
