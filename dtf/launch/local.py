@@ -210,6 +210,13 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
     of the driver reach the agent, which stops the ranks (signals_to_handle), or passes stop
     signals on to them (StopForwarding), by pid; SLURM tracks the processes of a job, not sessions."""
     signal.pthread_sigmask(signal.SIG_SETMASK, ())  # the forkserver's blocked signals (preloaded_forkserver)
+    if multiprocessing.get_start_method(allow_none=True) == "forkserver":
+        # The rank's own processes (DataLoader workers, ...) start as a spawned rank's do, as its
+        # children: from the run's forkserver they would be the server's, with its blocked signals.
+        multiprocessing.set_start_method("spawn", force=True)
+        # Its own temporary directory (for what its processes share), as a spawned rank makes one: the
+        # one it inherits is the driver's (the server's socket is there), removed when the driver ends.
+        multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
@@ -335,6 +342,7 @@ def preloaded_forkserver(method: str, modules: list[str], stop_signals: list[str
         return
     from multiprocessing import forkserver
 
+    _let_go_of_forkserver()  # one this process started before, with another environment and preload
     forkserver.set_forkserver_preload(modules)
     blocked = {signal.Signals[name] for name in (*_FORKSERVER_BLOCKS, *stop_signals)}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)

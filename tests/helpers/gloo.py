@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -13,8 +14,14 @@ import torch.multiprocessing as mp
 
 from dtf.dist.env import free_port
 
+PRELOAD = ["torch", "torch._dynamo", "dtf.train.loop"]
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...], env: dict[str, str]
+) -> None:
+    os.environ.clear()  # the caller's, not the forkserver's (started by an earlier test, with its environment)
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -32,5 +39,14 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """fn(rank, world_size, *args) on each rank; an assertion failing on any rank fails the caller."""
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    """fn(rank, world_size, *args) on each rank; an assertion failing on any rank fails the caller.
+    The ranks fork from a server that imported torch and dtf's training stack once for this test
+    process (as dtf's local launcher does for a run), instead of importing them again each."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), args, dict(os.environ)),
+        nprocs=world_size,
+        join=True,
+        start_method="forkserver",
+    )

@@ -1,0 +1,98 @@
+"""The local launcher's forkserver (dtf.launch.local.preloaded_forkserver): the ranks fork from a
+server that imported what they need, each run's server has that run's environment, the signals it
+blocks reach the ranks, and it ends after its run."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from multiprocessing import forkserver
+
+import pytest
+from omegaconf import OmegaConf
+
+from dtf.launch.local import in_own_session, preloaded_forkserver, rank_imports
+
+PRELOADED = "colorsys"  # a module the test process has not imported, and that is quick to import
+
+
+def what_the_child_sees(conn, name: str) -> None:
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    conn.send((PRELOADED in sys.modules, os.environ.get(name), sorted(int(s) for s in mask)))
+
+
+def start_and_ask(name: str, entry=what_the_child_sees) -> tuple[bool, str | None, list[int]]:
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=entry, args=(send, name))
+    child.start()
+    try:
+        return receive.recv()
+    finally:
+        child.join(30)
+
+
+def server_pid() -> int:
+    pid = forkserver._forkserver._forkserver_pid
+    assert pid is not None
+    return pid
+
+
+def blocked_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        (line,) = (line for line in status if line.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
+
+
+def test_ranks_fork_from_a_server_that_imported_what_they_need_and_has_this_runs_environment(monkeypatch):
+    assert PRELOADED not in sys.modules
+    monkeypatch.setenv("DTF_TEST_RUN", "before")
+    forkserver.ensure_running()  # one this process started before: not the run's
+    seen = []
+    for value in ("first", "second"):  # two runs in one process (a sweep): each server its own environment
+        monkeypatch.setenv("DTF_TEST_RUN", value)
+        with preloaded_forkserver("forkserver", [PRELOADED], []):
+            seen.append(start_and_ask("DTF_TEST_RUN")[:2])
+    assert seen == [(True, "first"), (True, "second")]
+    assert PRELOADED not in sys.modules  # imported by the server, not here
+
+
+def test_the_server_blocks_the_signals_sent_to_every_process_and_a_rank_unblocks_them():
+    with preloaded_forkserver("forkserver", [PRELOADED], ["SIGUSR2"]):
+        blocked = blocked_signals(server_pid())
+        # what a forked process inherits, and what a rank has once it runs (in_own_session)
+        inherited = start_and_ask("-")[2]
+        rank = start_and_ask("-", functools.partial(in_own_session, what_the_child_sees))[2]
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        assert blocked & (1 << (sig - 1)), sig.name
+        assert sig in inherited
+    assert rank == []
+
+
+def test_the_server_ends_after_its_run_and_nothing_is_left_behind():
+    with preloaded_forkserver("forkserver", [PRELOADED], []):
+        pid = server_pid()
+        address = forkserver._forkserver._forkserver_address
+        start_and_ask("-")
+    assert forkserver._forkserver._forkserver_pid is None  # the next run starts its own
+    assert not os.path.exists(address)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # reaped: not even a zombie
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_other_start_methods_start_no_server():
+    with preloaded_forkserver("spawn", [PRELOADED], []):
+        assert forkserver._forkserver._forkserver_pid is None
+
+
+@pytest.mark.parametrize(("metrics", "imports_torchmetrics"), [({"rmse": {}}, True), ({}, False)])
+def test_the_server_imports_torchmetrics_only_for_a_run_with_metrics(metrics, imports_torchmetrics):
+    cfg = OmegaConf.create({"metrics": metrics})
+    assert ("torchmetrics" in rank_imports(cfg)) is imports_torchmetrics
+    assert {"dtf.rank", "dtf.train.loop"} <= set(rank_imports(cfg))
