@@ -3,6 +3,7 @@ tests plug in by _target_ (this folder is put on PYTHONPATH by the tests)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -85,7 +86,7 @@ class FailingModel(nn.Module):
                 assert self.fill_path is not None, "how=fill_disk needs fill_path"
                 fill(self.fill_path)
             elif self.how.startswith(("SIG", "agent:SIG")):
-                target = os.getppid() if self.how.startswith("agent:") else os.getpid()
+                target = agent_pid() if self.how.startswith("agent:") else os.getpid()
                 os.kill(target, signal.Signals[self.how.split(":")[-1]])
                 self.delay_s = max(self.delay_s, 0.05)  # the run must not end before the signal is acted on
             elif self.how == "user_error":
@@ -99,6 +100,13 @@ class FailingModel(nn.Module):
                 raise UserError(f"model.fail_rank={self.fail_rank}: injected bad input; fix model.fail_rank")
             else:
                 raise RuntimeError(f"injected failure on rank {self.fail_rank}")
+
+
+def agent_pid() -> int:
+    """The process that started this rank: torch's agent, the rank's multiprocessing parent (not its
+    OS parent when it was forked from the run's forkserver); a rank of srun or torchrun: its parent."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
 
 
 def fill(path: str) -> None:
@@ -159,7 +167,7 @@ class ListeningSockets(nn.Linear):
 
             from sockets import descendants, listening
 
-            driver = os.getppid()
+            driver = agent_pid()
             found = listening([driver, *descendants(driver)])
             (Path(self.report_dir) / f"sockets_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
         return super().forward(x)
