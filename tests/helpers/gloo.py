@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 import torch.distributed as dist
@@ -18,7 +19,13 @@ PRELOAD = ["torch", "torch._dynamo", "dtf.train.loop"]
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...], env: dict[str, str]
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    output: None,
 ) -> None:
     os.environ.clear()  # the caller's, not the forkserver's (started by an earlier test, with its environment)
     os.environ.update(env)
@@ -38,6 +45,19 @@ def _entry(
     os._exit(0)
 
 
+class _CallersOutput:
+    """The caller's stdout and stderr, sent to a rank with its arguments: it forks from a server an
+    earlier test may have started, whose output went elsewhere (that test's capfd, say)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_write_to, (DupFd(1), DupFd(2)))
+
+
+def _write_to(out: Any, err: Any) -> None:
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """fn(rank, world_size, *args) on each rank; an assertion failing on any rank fails the caller.
     The ranks fork from a server that imported torch and dtf's training stack once for this test
@@ -45,7 +65,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     multiprocessing.set_forkserver_preload(PRELOAD)
     mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), args, dict(os.environ)),
+        args=(fn, world_size, free_port(), args, dict(os.environ), _CallersOutput()),
         nprocs=world_size,
         join=True,
         start_method="forkserver",
