@@ -17,7 +17,14 @@ from omegaconf import OmegaConf
 
 from dtf.launch.local import in_own_session, preloaded_forkserver, rank_imports
 
-PRELOADED = "colorsys"  # a module the test process has not imported, and that is quick to import
+PRELOADED = "dtf_test_preloaded_module"  # written by the fixture below: nothing else imports it
+
+
+@pytest.fixture(autouse=True)
+def preloadable(tmp_path, monkeypatch):
+    (tmp_path / f"{PRELOADED}.py").write_text("")
+    # where the server finds it (multiprocessing's forkserver ignores the sys.path it is given)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def what_the_child_sees(conn, name: str) -> None:
