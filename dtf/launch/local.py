@@ -43,7 +43,7 @@ from dtf.config.schema import LocalLauncherConfig
 from dtf.config.typed import typed
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
-from dtf.launch import stalls
+from dtf.launch import forkserver_exit, stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
 from dtf.machine import THREADS_CHOSEN, threads_per_rank
@@ -343,12 +343,14 @@ def preloaded_forkserver(method: str, modules: list[str], stop_signals: list[str
     from multiprocessing import forkserver
 
     _let_go_of_forkserver()  # one this process started before, with another environment and preload
-    forkserver.set_forkserver_preload(modules)
+    forkserver.set_forkserver_preload(["dtf.launch.forkserver_exit", *modules])
     blocked = {signal.Signals[name] for name in (*_FORKSERVER_BLOCKS, *stop_signals)}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    os.environ[forkserver_exit.SERVER] = "1"
     try:
         forkserver.ensure_running()
     finally:
+        del os.environ[forkserver_exit.SERVER]
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
         yield

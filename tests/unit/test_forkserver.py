@@ -64,7 +64,8 @@ def test_ranks_fork_from_a_server_that_imported_what_they_need_and_has_this_runs
         monkeypatch.setenv("DTF_TEST_RUN", value)
         with preloaded_forkserver("forkserver", [PRELOADED], []):
             seen.append(start_and_ask("DTF_TEST_RUN")[:2])
-    assert seen == [(True, "first"), (True, "second")]
+            seen.append(start_and_ask("DTF_FORKSERVER")[:2])  # the server's own mark, taken out
+    assert seen == [(True, "first"), (True, None), (True, "second"), (True, None)]
     assert PRELOADED not in sys.modules  # imported by the server, not here
 
 
