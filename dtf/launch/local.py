@@ -7,6 +7,7 @@ at once, so a failed rank never leaves the others hanging in a collective.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
@@ -217,9 +218,18 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
         # Its own temporary directory (for what its processes share), as a spawned rank makes one: the
         # one it inherits is the driver's (the server's socket is there), removed when the driver ends.
         multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
+        # It ends with os._exit once multiprocessing's finalizers have run (after its result went to
+        # the agent); a spawned rank then runs the atexit functions too (dtf.results.exit_now): the
+        # run dir's release, the checkpoint writer's close, Horovod's shutdown, the user's own.
+        mp_util.Finalize(None, _atexit_functions, exitpriority=0)
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
+
+
+def _atexit_functions() -> None:
+    atexit.unregister(mp_util._exit_function)  # type: ignore[attr-defined]  # it is running: this is one of its finalizers
+    atexit._run_exitfuncs()
 
 
 def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
@@ -340,10 +350,13 @@ def preloaded_forkserver(method: str, modules: list[str], stop_signals: list[str
     if method != "forkserver":
         yield
         return
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     _let_go_of_forkserver()  # one this process started before, with another environment and preload
     forkserver.set_forkserver_preload(["dtf.launch.forkserver_exit", *modules])
+    # Before the signals are blocked: starting the resource tracker (if it is not running) unblocks
+    # SIGTERM after (bpo-33613), which the server would then start without.
+    resource_tracker.ensure_running()
     blocked = {signal.Signals[name] for name in (*_FORKSERVER_BLOCKS, *stop_signals)}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     os.environ[forkserver_exit.SERVER] = "1"

@@ -81,6 +81,22 @@ def test_the_server_blocks_the_signals_sent_to_every_process_and_a_rank_unblocks
     assert rank == []
 
 
+def register_an_atexit_function(path, unused) -> None:
+    import atexit
+
+    atexit.register(lambda: open(path, "w").close())
+
+
+def test_a_rank_runs_its_atexit_functions_as_a_spawned_one_does(tmp_path):
+    ran = tmp_path / "ran"
+    ctx = multiprocessing.get_context("forkserver")
+    with preloaded_forkserver("forkserver", [PRELOADED], []):
+        rank = ctx.Process(target=functools.partial(in_own_session, register_an_atexit_function), args=(ran, None))
+        rank.start()
+        rank.join(30)
+    assert rank.exitcode == 0 and ran.exists()
+
+
 def test_the_server_ends_after_its_run_and_nothing_is_left_behind():
     with preloaded_forkserver("forkserver", [PRELOADED], []):
         pid = server_pid()
