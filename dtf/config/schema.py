@@ -683,6 +683,8 @@ class LocalLauncherConfig:
     max_restarts: int | None = None
     # Seconds between the agent's health checks of the ranks.
     monitor_interval: float = 0.1
+    # How the ranks start: forkserver (forked from one process that imported what they need, once per
+    # run), spawn (each from nothing, as torchrun), or fork (from the driver itself: avoid).
     start_method: str = "forkserver"
     # Echo the other ranks' output to the console too (it always goes to <run_dir>/logs).
     tee_all_ranks: bool = False
@@ -704,6 +706,12 @@ class LocalLauncherConfig:
 
     def __post_init__(self) -> None:
         check_nproc(self.nproc)
+        require(
+            self.start_method in ("forkserver", "spawn", "fork"),
+            "launcher.start_method",
+            self.start_method,
+            "use forkserver (the default), spawn or fork",
+        )
         require(
             self.max_restarts is None or self.max_restarts >= 0,
             "launcher.max_restarts",

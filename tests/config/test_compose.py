@@ -136,6 +136,7 @@ def test_composition_errors_name_the_key(override: str, names: list[str]) -> Non
     ("overrides", "key"),
     [
         (["launcher.nproc=0"], "launcher.nproc"),
+        (["launcher.start_method=forkservr"], "launcher.start_method"),
         (["optimizer.lr=-1"], "optimizer.lr"),
         (["data.batch_size=0"], "data.batch_size"),
         (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps"),
