@@ -111,7 +111,8 @@ class LocalLauncher(Launcher):
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
-        mp_util.get_temp_dir()  # the forkserver's socket lives there: not in the run dir's long path
+        if self.cfg.start_method == "forkserver":
+            mp_util.get_temp_dir()  # the forkserver's socket lives there: not in the run dir's long path
         try:
             with (
                 standard_start_method(self.cfg.start_method),

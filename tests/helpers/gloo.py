@@ -54,8 +54,10 @@ class _CallersOutput:
 
 
 def _write_to(out: Any, err: Any) -> None:
-    os.dup2(out.detach(), 1)
-    os.dup2(err.detach(), 2)
+    for duplicate, fd in ((out, 1), (err, 2)):
+        received = duplicate.detach()
+        os.dup2(received, fd)
+        os.close(received)
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
