@@ -8,6 +8,9 @@
 #   scripts/local-slurm.sh stop    cancels the cluster's jobs and waits until they are gone, stops what
 #                                   start started (by the PIDs it recorded), then kills any job process
 #                                   (slurmstepd and what runs under it, srun included) that outlived them
+#   scripts/local-slurm.sh start-node N   starts node N's slurmd again after it died (a machine that
+#                                   comes back), keeping the cluster's jobs and state; SLURM returns
+#                                   the node to service when it registers (ReturnToService=2)
 # $DTF_SLURM_PORT (default 6817) is slurmctld's port, slurmd's is the next one: a second cluster in
 # another $DTF_SLURM_DIR with other ports runs beside the first (the tests use one to stop and start).
 # Needs root (or sudo) for apt and for the daemons. Nothing listens beyond 127.0.0.1's host name.
@@ -97,7 +100,8 @@ MinJobAge=300
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-$(for n in "${NODES[@]}"; do echo "NodeName=$n NodeAddr=$(address "$n") CPUs=$cpus State=UNKNOWN"; done)
+# Jobs get the nodes in the order listed (the lowest Weight first): a 2-node job runs on the first two.
+$(w=0; for n in "${NODES[@]}"; do w=$((w + 1)); echo "NodeName=$n NodeAddr=$(address "$n") CPUs=$cpus Weight=$w State=UNKNOWN"; done)
 PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
 }
@@ -249,6 +253,21 @@ start() {
   exit 1
 }
 
+start_node() {
+  local n="$1"
+  printf '%s\n' "${NODES[@]}" | grep -qxF "$n" || { log "no node $n in this cluster (${NODES[*]})"; exit 2; }
+  running slurmctld || { log "the cluster is not running: start it first"; exit 1; }
+  if running "slurmd-$n"; then
+    log "slurmd on $n already runs"
+    return
+  fi
+  on_node "$n" env DTF_SLURM_DIR="$DIR" slurmd -f "$CONF" -N "$n"
+  wait_until 60 node_up "$n" || { log "node $n did not come back; see $DIR/log/slurmd-$n.log"; exit 1; }
+  log "node $n back: $(ctl sinfo -h -N -n "$n" -o '%N %t')"
+}
+
+node_up() { ctl sinfo -h -N -n "$1" -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)$'; }
+
 stop_cluster() {
   cancel_jobs
   local n
@@ -270,5 +289,6 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  start-node) start_node "${2:?usage: $0 start-node NODE}" ;;
+  *) echo "usage: $0 start|stop|start-node NODE" >&2; exit 2 ;;
 esac

@@ -16,13 +16,27 @@ import pytest
 
 from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.e2e.test_elastic import max_difference
-from tests.helpers.clusters import SCRIPTS, preempt, preempt_and_requeue, run_script, script_cluster
+from tests.helpers.clusters import (
+    SCRIPTS,
+    preempt,
+    preempt_and_requeue,
+    run_script,
+    script_cluster,
+    start_requeued,
+)
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[list[str]]:
-    with script_cluster("local-hosts.sh", "DTF_HOSTS") as names:
+def all_hosts() -> Iterator[list[str]]:
+    """Three hosts (scripts/local-hosts.sh); the SLURM cluster has a node on each."""
+    with script_cluster("local-hosts.sh", "DTF_HOSTS", args=["3"]) as names:
         yield names.strip('"').split()
+
+
+@pytest.fixture(scope="module")
+def hosts(all_hosts: list[str]) -> list[str]:
+    """The two hosts most tests run on."""
+    return all_hosts[:2]
 
 
 def run_on_hosts(
@@ -198,9 +212,10 @@ def test_spark_ranks_on_two_hosts_are_two_ranks_on_one(
 
 
 @pytest.fixture(scope="module")
-def slurm_on_hosts(hosts: list[str]) -> Iterator[str]:
-    """A SLURM cluster with a node on each host and slurmctld on the first (scripts/local-slurm.sh)."""
-    with script_cluster("local-slurm.sh", "SLURM_CONF", slurm_hosts_env(hosts)) as conf:
+def slurm_on_hosts(all_hosts: list[str]) -> Iterator[str]:
+    """A SLURM cluster with a node on each host and slurmctld on the first (scripts/local-slurm.sh).
+    A job of 2 nodes gets the first two."""
+    with script_cluster("local-slurm.sh", "SLURM_CONF", slurm_hosts_env(all_hosts)) as conf:
         yield conf
 
 
@@ -493,14 +508,13 @@ def test_a_lost_host_leaves_and_rejoins_and_the_run_ends_as_the_uninterrupted_on
 
 
 def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_and_ends_as_the_uninterrupted_run(
-    hosts: list[str], slurm_on_hosts: str, tmp_path: Path
+    all_hosts: list[str], hosts: list[str], slurm_on_hosts: str, tmp_path: Path
 ) -> None:
     # launcher=slurm launcher.nodes=1:2, one rank per node. First what SLURM sends before a
     # preemption: the ranks save, the job is requeued and resumes on both nodes. Then the second
     # host dies (every process in its namespace, slurmd too: a machine that crashed) while the job
     # trains on both; the job keeps its first node (sbatch --no-kill), whose agent goes on alone from
-    # the newest checkpoint. Last in this module: the cluster is started afresh at the end (its
-    # second node is down).
+    # the newest checkpoint. The second node's slurmd is started again at the end.
     import json
     import re
     import time
@@ -551,7 +565,7 @@ def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_a
     finally:
         if job.poll() is None:
             job.kill()
-        run_script("local-slurm.sh", "start", slurm_hosts_env(hosts))  # its second node back
+        back_up(all_hosts, hosts[1:2])
     assert code == 0, out.read_text()[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
@@ -561,3 +575,93 @@ def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_a
     assert s["launcher"] == "slurm" and s["slurm_restarts"] == 1 and s["world_size"] == 1
     assert s["global_step"] == straight.summary["global_step"]
     assert max_difference(DtfRun(0, "", "", run_dir), straight) <= 1e-5
+
+
+def test_an_elastic_slurm_job_left_with_fewer_than_min_nodes_is_requeued_and_ends_as_the_uninterrupted_run(
+    all_hosts: list[str], slurm_on_hosts: str, tmp_path: Path
+) -> None:
+    # launcher.nodes=2:3 on three nodes, one rank each, at a global batch that 2 and 3 ranks keep.
+    # Two hosts die (every process of theirs, slurmd too) while the job trains: one node is left,
+    # fewer than MIN. Its agent waits join_timeout for a second, then requeues the job
+    # (launcher.requeue=true, the default); the hosts come back, and the requeued job starts on all
+    # three and resumes from the newest checkpoint.
+    import json
+    import re
+    import time
+
+    if len(all_hosts) < 3:
+        pytest.fail(f"needs 3 hosts, found {all_hosts}: run scripts/local-hosts.sh stop, and the test makes 3")
+    hold = tmp_path / "slow"
+    args = [
+        *ELASTIC,
+        "data.dataset.num_points=2400",
+        "data.dataset.num_test=400",
+        "trainer.max_steps=200",
+        "data.global_batch_size=48",
+    ]
+    slurm = [
+        *QUICK_RDZV,
+        "+launcher.rdzv_configs.join_timeout=10",
+        "checkpoint.every_n_steps=5",
+        "launcher=slurm",
+        "launcher.nodes=2:3",
+        "launcher.tasks_per_node=1",
+    ]
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    cmd = on_first_host(all_hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
+    with open(out, "wb") as f:
+        job = subprocess.Popen(
+            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env()
+        )
+
+    def until(world: int, past: int) -> int:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            step, size = _newest(run_dir)
+            if size == world and step > past:
+                return step
+            time.sleep(0.2)
+        raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + out.read_text()[-3000:])
+
+    def on_cluster(c: list[str]) -> list[str]:
+        return on_first_host(all_hosts, slurm_on_hosts, *c)
+
+    lost = all_hosts[1:]
+    try:
+        until(3, 10)
+        for host in lost:
+            crashed = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True, check=True)
+            subprocess.run(["kill", "-KILL", *crashed.stdout.split()], check=True)
+        deadline = time.monotonic() + 120
+        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        requeued = re.search(
+            r"dtf: fewer than 2 node\(s\) met in 10 s; its newest checkpoint, step (\d+), is intact; "
+            r"requeued SLURM job (\d+)",
+            out.read_text(),
+        )
+        assert requeued, out.read_text()[-3000:]
+        back_up(all_hosts, lost)
+        start_requeued(requeued.group(2), on_cluster, timeout=120)
+        until(3, int(requeued.group(1)) + 5)  # the requeued job trains on all three
+        hold.unlink()
+        straight = run_dtf([*args, "launcher.nproc=3"], tmp_path / "straight")
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        back_up(all_hosts, lost)
+    assert code == 0, out.read_text()[-3000:]
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["slurm_restarts"] == 1 and s["world_size"] == 3 and s["membership_changes"] == [], s
+    assert s["resumed_from_step"] == int(requeued.group(1)), s
+    assert s["global_step"] == straight.summary["global_step"]
+    assert max_difference(DtfRun(0, "", "", run_dir), straight) <= 1e-5
+
+
+def back_up(all_hosts: list[str], nodes: list[str]) -> None:
+    """Starts the slurmd of nodes whose host was killed again; the cluster keeps its jobs."""
+    for node in nodes:
+        started = run_script("local-slurm.sh", "start-node", slurm_hosts_env(all_hosts), timeout=120, args=[node])
+        assert started.returncode == 0, started.stderr[-2000:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -33,11 +33,11 @@ def skip_if_asked(why: str, variable: str, what: str) -> NoReturn:
 
 
 def run_script(
-    script: str, command: str, env: dict[str, str] | None = None, timeout: float = 900
+    script: str, command: str, env: dict[str, str] | None = None, timeout: float = 900, args: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
-    """`scripts/<script> <command>`, with env added to this process's environment."""
+    """`scripts/<script> <command> <args>`, with env added to this process's environment."""
     return subprocess.run(
-        ["bash", str(SCRIPTS / script), command],
+        ["bash", str(SCRIPTS / script), command, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -46,10 +46,12 @@ def run_script(
 
 
 @contextmanager
-def script_cluster(script: str, export: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Runs `<script> start` (with env added, e.g. another state dir), yields the value it exports
-    (e.g. SLURM_CONF), and stops the cluster at the end only if this call started it."""
-    started = run_script(script, "start", env)
+def script_cluster(
+    script: str, export: str, env: dict[str, str] | None = None, args: Sequence[str] = ()
+) -> Iterator[str]:
+    """Runs `<script> start <args>` (with env added, e.g. another state dir), yields the value it
+    exports (e.g. SLURM_CONF), and stops the cluster at the end only if this call started it."""
+    started = run_script(script, "start", env, args=args)
     lines = [line for line in started.stdout.splitlines() if line.startswith(f"export {export}=")]
     if started.returncode != 0 or not lines:
         unavailable(f"scripts/{script} start failed: {started.stderr.strip()[-500:]}")
@@ -107,15 +109,25 @@ def preempt(
     subprocess.run(on_cluster(["scancel", "--signal=USR1", job.group(1)]), check=True)
     while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
+    start_requeued(job.group(1), on_cluster)
+
+
+def start_requeued(job: str, on_cluster: Callable[[list[str]], list[str]], timeout: float = 60) -> None:
+    """Lets a job that was requeued start as soon as it is pending again (once its nodes have
+    let go of it)."""
+    import time
+
     # SLURM holds a requeued job for ~2 minutes before it is eligible again; the test does not wait
     # that out. Not within the second of the requeue either: slurmd refuses a credential issued in
     # the second its job's old one was revoked ("Job credential revoked"), and the job would fail.
-    for _ in range(50):
-        state = subprocess.run(
-            on_cluster(["squeue", "-h", "-j", job.group(1), "-o", "%T"]), capture_output=True, text=True
-        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = subprocess.run(on_cluster(["squeue", "-h", "-j", job, "-o", "%T"]), capture_output=True, text=True)
         if state.stdout.strip() == "PENDING":
             time.sleep(1.1)
-            subprocess.run(on_cluster(["scontrol", "update", f"JobId={job.group(1)}", "StartTime=now"]), check=True)
-            break
+            subprocess.run(on_cluster(["scontrol", "update", f"JobId={job}", "StartTime=now"]), check=True)
+            return
+        if state.stdout.strip() == "RUNNING":
+            return
         time.sleep(0.2)
+    raise AssertionError(f"SLURM job {job} was not pending again within {timeout} s")
