@@ -101,6 +101,10 @@ def run_rank(
 
     run = typed(cfg)
     stop_request = prepare_process(run)
+    if run.checkpoint.async_save:  # before the group's threads start: forked now, not spawned later
+        from dtf.train.checkpoint_writer import start_early
+
+        start_early()
     shipped = None
     if payload is not None:  # dtf.run_function's
         from dtf.train import function

@@ -31,6 +31,11 @@ rank that must wait for its writer (at the next save, or the end) leaves it its 
 DCP's process, its group meets through the rank group's own store (no new server listening
 anywhere), it ignores the stop signals its rank handles (a scheduler signals every
 process of a job), and it dies with its rank (a killed rank leaves no orphan writing).
+
+The writer is forked from its rank when the rank starts (start_early: one thread, torch imported,
+as launcher=local's forkserver makes ranks), a few ms; where the rank runs other threads by then,
+it is spawned when the BackgroundWriter is made, and imports torch and dtf again while the first
+steps run (1-2 s of CPU each).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import uuid
 import weakref
 from collections import deque
@@ -93,17 +99,20 @@ class BackgroundWriter:
         # The writers' keys in the rank group's store, fresh for every start of the ranks.
         prefix = f"dtf/checkpoint-writer/{broadcast_from_main(uuid.uuid4().hex)}/"
         store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if world_size > 1 else None
-        context = multiprocessing.get_context("spawn")
-        self._conn, theirs = context.Pipe()
-        self._process = context.Process(
-            target=_serve,
-            args=(theirs, os.getpid(), rank, world_size, store, prefix, timeout_s),
-            name=f"dtf-checkpoint-writer-{rank}",
-            daemon=True,
-        )
-        with main_script_hidden():
-            self._process.start()
-        theirs.close()
+        setup = _Setup(rank, world_size, store, prefix, timeout_s)
+        early = _take_early()
+        if early is not None:
+            self._process, self._conn = early
+            self._conn.send(setup)
+        else:  # this process runs threads now (its group's): a fork of it could deadlock
+            context = multiprocessing.get_context("spawn")
+            self._conn, theirs = context.Pipe()
+            self._process = context.Process(
+                target=_serve, args=(theirs, os.getpid(), setup), name=f"dtf-checkpoint-writer-{rank}", daemon=True
+            )
+            with main_script_hidden():
+                self._process.start()
+            theirs.close()
         self._expected: deque[str] = deque()  # what was sent and not yet answered, in order
         self._replies: deque[Any] = deque()  # answers received early (done), in the same order
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"dtf-checkpoint-staging-{rank}")
@@ -218,6 +227,65 @@ class BackgroundWriter:
         self._stager.close()
 
 
+# The writer forked at this rank's start (start_early), until its BackgroundWriter takes it: the
+# rank's pid (a process forked from the rank inherits this, and must not take it), the process, its pipe.
+_early: tuple[int, multiprocessing.process.BaseProcess, Connection] | None = None
+
+
+def start_early() -> None:
+    """At a rank's start (checkpoint.async_save), while it runs one thread and has imported torch:
+    forks its writer, a few ms, which waits for the rank's BackgroundWriter. One spawned when
+    the BackgroundWriter is made imports torch and dtf again (1-2 s of CPU) while the first steps
+    run, which made the default job's steps a third slower (docs/checkpoints.md). Elsewhere (not
+    Linux, threads running, CUDA initialized: what a fork must not copy) the writer is spawned then."""
+    global _early
+    if _early is not None or not _may_fork():
+        return
+    context = multiprocessing.get_context("fork")
+    conn, theirs = context.Pipe()
+    name = f"dtf-checkpoint-writer-{os.environ.get('RANK', '0')}"
+    process = context.Process(target=_serve, args=(theirs, os.getpid(), None), name=name, daemon=True)
+    process.start()
+    theirs.close()
+    _early = (os.getpid(), process, conn)
+    atexit.register(_drop_early)  # before multiprocessing's exit handler, as BackgroundWriter's close
+
+
+def _may_fork() -> bool:
+    """A fork copies one thread: another thread's locks (a pool's, the GIL-free C++ ones) would stay
+    held forever in the copy. CUDA cannot be used in a fork either."""
+    return sys.platform == "linux" and len(os.listdir("/proc/self/task")) == 1 and not torch.cuda.is_initialized()
+
+
+def _take_early() -> tuple[multiprocessing.process.BaseProcess, Connection] | None:
+    """The writer forked early, if this process forked it and it still runs."""
+    global _early
+    early, _early = _early, None
+    if early is None or early[0] != os.getpid():
+        return None
+    atexit.unregister(_drop_early)
+    _, process, conn = early
+    if process.is_alive():
+        return process, conn
+    conn.close()
+    return None
+
+
+def _drop_early() -> None:
+    """At the rank's end: a writer started early and never used is told to end (it holds this end
+    of the pipe too, from the fork: it would never read an end of file)."""
+    early = _take_early()
+    if early is not None:
+        process, conn = early
+        with contextlib.suppress(OSError):
+            conn.send(_STOP)
+        conn.close()
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def lowest_priority() -> None:
     """This process runs only when a core would otherwise be idle (SCHED_IDLE), or at niceness 19
     where there is no such policy (macOS)."""
@@ -234,23 +302,35 @@ def _copied_before_fork(ref: weakref.ref[BackgroundWriter]) -> None:
         wait([writer._staging])
 
 
-def _serve(
-    conn: Connection,
-    parent: int,
-    rank: int,
-    world_size: int,
-    store: tuple[str, int] | None,
-    prefix: str,
-    timeout_s: float,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What the writer needs from its rank's BackgroundWriter: where its group meets."""
+
+    rank: int
+    world_size: int
+    store: tuple[str, int] | None
+    prefix: str
+    timeout_s: float
+
+
+def _serve(conn: Connection, parent: int, setup: _Setup | None) -> None:
     """The writer process: writes each save it receives and answers with its records, and each
-    commit (rank 0) with None, or with the error of either."""
+    commit (rank 0) with None, or with the error of either. setup: None when forked early, then
+    the first message."""
     end_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the rank died before the line above
         return
     ignore_stop_signals()
     lowest_priority()
     torch.set_num_threads(1)
+    if setup is None:
+        try:
+            setup = conn.recv()
+        except EOFError:
+            return
+        if not isinstance(setup, _Setup):  # _STOP: the rank ends without a BackgroundWriter
+            return
+    rank, world_size, store = setup.rank, setup.world_size, setup.store
     joined = False
     buffers: list[torch.Tensor] = []  # StateBuffers': the rank sends them once
     while True:
@@ -263,7 +343,7 @@ def _serve(
         try:
             # A save on every rank's writer at once; a commit on rank 0's, once every writer has written its part.
             if request.collective and store is not None and not joined:  # the writers' group, at the first save
-                _join(rank, world_size, store, prefix, timeout_s)
+                _join(rank, world_size, store, setup.prefix, setup.timeout_s)
                 joined = True
             staged = getattr(request, "state", None)
             planner: WrittenBuffers | None = None

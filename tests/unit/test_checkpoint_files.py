@@ -171,6 +171,64 @@ def _rewrite_marker(path: Path) -> None:
 def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a_synchronous_one(
     tmp_path: Path,
 ) -> None:
+    async_saves_equal_synchronous_ones(tmp_path)  # the writer spawned: this process may run threads
+
+
+# A rank's start (dtf.rank): one thread, torch imported. The writer is forked then, and used.
+FORKED_EARLY = """
+import sys
+from pathlib import Path
+
+from dtf.train import checkpoint_writer
+from tests.unit.test_checkpoint_files import async_saves_equal_synchronous_ones
+
+checkpoint_writer.start_early()
+assert checkpoint_writer._early is not None, "not forked"
+early = checkpoint_writer._early[1].pid
+assert async_saves_equal_synchronous_ones(Path(sys.argv[1])) == early
+assert checkpoint_writer._early is None
+print("used", early)
+"""
+# A writer forked early that the run never asks for (the rank fails first) is told to end with the
+# rank, and does (status 0, not killed); at exit, multiprocessing would wait forever for a writer
+# that ignores SIGTERM.
+NEVER_USED = """
+import atexit
+
+from dtf.train import checkpoint_writer
+
+writer = []
+atexit.register(lambda: print("ended", writer[0].exitcode, flush=True))  # after the writer's own exit handler
+checkpoint_writer.start_early()
+writer.append(checkpoint_writer._early[1])
+print("unused", writer[0].pid, flush=True)
+"""
+
+
+@pytest.mark.parametrize("script", [FORKED_EARLY, NEVER_USED], ids=["used", "never-used"])
+def test_a_writer_forked_at_the_ranks_start_writes_its_saves_or_ends_with_the_rank(tmp_path: Path, script: str) -> None:
+    import subprocess
+    import sys
+
+    import psutil
+
+    repo = Path(__file__).resolve().parents[2]
+    # One thread, as a rank forked from the run's forkserver has: numpy's OpenBLAS would start its
+    # pool at import (a spawned rank's writer is spawned, as in the test above).
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split() for line in done.stdout.splitlines())
+    writer = int(said.get("used") or said["unused"])
+    if script == NEVER_USED:
+        assert said["ended"] == "0", done.stdout
+    assert not psutil.pid_exists(writer) or psutil.Process(writer).status() == psutil.STATUS_ZOMBIE
+
+
+def async_saves_equal_synchronous_ones(tmp_path: Path) -> int:
+    """Two asynchronous saves, each equal to a synchronous one; the writer's pid."""
     from dtf.config.schema import CheckpointConfig
     from dtf.train.checkpoint import Checkpointer, load_app_state, read_marker, verify
 
@@ -197,6 +255,7 @@ def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a
                     p.add_(1.0)
             optimizer.param_groups[0]["lr"] /= 2
         writer = in_background.writer.pid
+        assert writer is not None
         if hasattr(os, "SCHED_IDLE"):  # it takes only the time the ranks leave (after its first save, surely set)
             assert os.sched_getscheduler(writer) == os.SCHED_IDLE
         in_background.close()
@@ -213,6 +272,7 @@ def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a
         torch.testing.assert_close(loaded[0], loaded[1], rtol=0, atol=0)
         assert loaded[1]["optim"]["param_groups"][0]["lr"] == 1e-3 / 2 ** (step - 5)
     assert not torch.equal(loaded[1]["model"]["0.weight"], model.state_dict()["0.weight"])  # not the live state
+    return writer
 
 
 def test_the_writers_buffers_are_made_once_per_layout_and_all_but_plain_cpu_tensors_go_to_torchs_stager() -> None:
