@@ -220,8 +220,9 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
         # one it inherits is the driver's (the server's socket is there), removed when the driver ends.
         multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
         # It ends with os._exit once multiprocessing's finalizers have run (after its result went to
-        # the agent); a spawned rank then runs the atexit functions too (dtf.results.exit_now): the
-        # run dir's release, the checkpoint writer's close, Horovod's shutdown, the user's own.
+        # the agent); a spawned rank then waits for its other threads and runs the atexit functions
+        # too (dtf.results.exit_now): the run dir's release, the checkpoint writer's close,
+        # Horovod's shutdown, the user's own.
         mp_util.Finalize(None, _atexit_functions, exitpriority=0)
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
@@ -229,6 +230,9 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
 
 
 def _atexit_functions() -> None:
+    """As the interpreter's exit: the threads that are not daemons first (multiprocessing waits for
+    them only after its finalizers, this one among them), then the atexit functions."""
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit.unregister(mp_util._exit_function)  # type: ignore[attr-defined]  # it is running: this is one of its finalizers
     atexit._run_exitfuncs()
 

@@ -81,20 +81,27 @@ def test_the_server_blocks_the_signals_sent_to_every_process_and_a_rank_unblocks
     assert rank == []
 
 
-def register_an_atexit_function(path, unused) -> None:
+def register_an_atexit_function_and_start_a_thread(path, unused) -> None:
     import atexit
+    import threading
 
-    atexit.register(lambda: open(path, "w").close())
+    done = path.with_name("thread done")
+    atexit.register(lambda: path.write_text("after the thread" if done.exists() else "before the thread ended"))
+    threading.Thread(target=lambda: time.sleep(0.3) or done.touch()).start()  # not a daemon: waited for
 
 
 def test_a_rank_runs_its_atexit_functions_as_a_spawned_one_does(tmp_path):
+    # As the interpreter's exit and dtf.results.exit_now (a spawned rank's): the threads that are
+    # not daemons are waited for, then the atexit functions run.
     ran = tmp_path / "ran"
     ctx = multiprocessing.get_context("forkserver")
     with preloaded_forkserver("forkserver", [PRELOADED], []):
-        rank = ctx.Process(target=functools.partial(in_own_session, register_an_atexit_function), args=(ran, None))
+        rank = ctx.Process(
+            target=functools.partial(in_own_session, register_an_atexit_function_and_start_a_thread), args=(ran, None)
+        )
         rank.start()
         rank.join(30)
-    assert rank.exitcode == 0 and ran.exists()
+    assert rank.exitcode == 0 and ran.read_text() == "after the thread"
 
 
 def test_the_server_ends_after_its_run_and_nothing_is_left_behind():
