@@ -314,7 +314,10 @@ def test_a_failed_run_leaves_nothing_in_the_temp_dir(tmp_path: Path, monkeypatch
     assert run.returncode == 1
     assert not list(temp.glob("pytorch-errorfile-*")), sorted(p.name for p in temp.iterdir())
     # the failed rank's error is kept with the run's logs, in the directory the error line names
-    assert list((tmp_path / "run" / "logs").glob("*/attempt_0/1/error.json")), "kept with the run's logs instead"
+    logs = tmp_path / "run" / "logs"
+    kept = sorted(str(p.relative_to(logs)) for p in logs.rglob("*"))
+    found = list(logs.glob("*/attempt_0/1/error.json"))
+    assert found, f"kept with the run's logs instead: {kept}\n{run.stderr[-3000:]}"
 
 
 def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
