@@ -112,7 +112,7 @@ class LocalLauncher(Launcher):
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
         if self.cfg.start_method == "forkserver":
-            mp_util.get_temp_dir()  # the forkserver's socket lives there: not in the run dir's long path
+            forkserver_temp_dir()
         try:
             with (
                 standard_start_method(self.cfg.start_method),
@@ -271,6 +271,24 @@ def output_of(e: ChildFailedError, rank: int, run_dir: str) -> str:
         return "its output is above"
     found = sorted(Path(run_dir, "logs").glob(f"*/attempt_*/{failure.local_rank}/stderr.log"), key=os.path.getmtime)
     return f"its error output: {found[-1]}" if found else f"its logs: {run_dir}/logs"
+
+
+# A Unix socket's path holds 107 bytes; the forkserver's is <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX.
+_SOCKET_PATH_MAX = 107 - len("/pymp-12345678/listener-12345678")
+
+
+def forkserver_temp_dir() -> None:
+    """Makes multiprocessing's temp dir now, where the forkserver's socket will be: not under the run
+    dir (temp_files_in), and under /tmp where the temp dir's path is too long for a socket's (a
+    cluster's per-job TMPDIR can be), which failed with "AF_UNIX path too long"."""
+    if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_PATH_MAX or not os.path.isdir("/tmp"):
+        mp_util.get_temp_dir()
+        return
+    previous, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        mp_util.get_temp_dir()
+    finally:
+        tempfile.tempdir = previous
 
 
 @contextlib.contextmanager
