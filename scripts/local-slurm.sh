@@ -262,11 +262,13 @@ start_node() {
     return
   fi
   on_node "$n" env DTF_SLURM_DIR="$DIR" slurmd -f "$CONF" -N "$n"
-  wait_until 60 node_up "$n" || { log "node $n did not come back; see $DIR/log/slurmd-$n.log"; exit 1; }
+  wait_until 120 node_responds "$n" || { log "node $n did not come back; see $DIR/log/slurmd-$n.log"; exit 1; }
   log "node $n back: $(ctl sinfo -h -N -n "$n" -o '%N %t')"
 }
 
-node_up() { ctl sinfo -h -N -n "$1" -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)$'; }
+# The node answers the controller: in service (idle, mix, alloc) or ending the jobs it had when it
+# died (comp, until every node of theirs has answered); not down, nor marked with * (not responding).
+node_responds() { ctl sinfo -h -N -n "$1" -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc|comp)$'; }
 
 stop_cluster() {
   cancel_jobs

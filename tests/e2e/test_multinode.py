@@ -507,6 +507,31 @@ def test_a_lost_host_leaves_and_rejoins_and_the_run_ends_as_the_uninterrupted_on
     assert verify(newest)[0]
 
 
+class ElasticSlurmJob:
+    """`python -m dtf <args> launcher=slurm` from the first host, slowed while `hold` exists; its
+    driver's output in out."""
+
+    def __init__(self, hosts: list[str], conf: str, args: list[str], hold: Path, tmp_path: Path) -> None:
+        self.run_dir, self.out = tmp_path / "run", tmp_path / "job.out"
+        cmd = on_first_host(hosts, conf, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slow_steps(hold))
+        with open(self.out, "wb") as f:
+            self.proc = subprocess.Popen(
+                [*cmd, f"hydra.run.dir={self.run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env()
+            )
+
+    def until(self, world: int, past: int) -> int:
+        """Waits for a checkpoint of the given world size past a step; returns its step."""
+        import time
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            step, size = _newest(self.run_dir)
+            if size == world and step > past:
+                return step
+            time.sleep(0.2)
+        raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + self.out.read_text()[-3000:])
+
+
 def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_and_ends_as_the_uninterrupted_run(
     all_hosts: list[str], hosts: list[str], slurm_on_hosts: str, tmp_path: Path
 ) -> None:
@@ -534,25 +559,12 @@ def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_a
         "launcher.nodes=1:2",
         "launcher.tasks_per_node=1",
     ]
-    run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    cmd = on_first_host(hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
-    with open(out, "wb") as f:
-        job = subprocess.Popen(
-            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env()
-        )
-
-    def until(world: int, past: int) -> int:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and job.poll() is None:
-            step, size = _newest(run_dir)
-            if size == world and step > past:
-                return step
-            time.sleep(0.2)
-        raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + out.read_text())
+    job = ElasticSlurmJob(hosts, slurm_on_hosts, [*args, *slurm], hold, tmp_path)
+    run_dir, out, until = job.run_dir, job.out, job.until
 
     try:
         until(2, 10)
-        preempt(job, out, lambda c: on_first_host(hosts, slurm_on_hosts, *c), time.monotonic() + 120)
+        preempt(job.proc, out, lambda c: on_first_host(hosts, slurm_on_hosts, *c), time.monotonic() + 120)
         stopped = re.search(r"dtf: stopped at step (\d+); requeued SLURM job", out.read_text())
         assert stopped, out.read_text()
         until(2, int(stopped.group(1)) + 10)  # the requeued job trains on both nodes
@@ -561,11 +573,11 @@ def test_an_elastic_slurm_job_requeues_when_preempted_goes_on_when_a_node_dies_a
         until(1, _newest(run_dir)[0] + 10)
         hold.unlink()
         straight = run_dtf([*args, "launcher.nproc=2"], tmp_path / "straight")
-        code = job.wait(timeout=240)
+        code = job.proc.wait(timeout=240)
     finally:
-        if job.poll() is None:
-            job.kill()
-        back_up(all_hosts, hosts[1:2])
+        if job.proc.poll() is None:
+            job.proc.kill()
+        back_up(all_hosts, hosts[1:2], check=False)
     assert code == 0, out.read_text()[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
@@ -607,21 +619,8 @@ def test_an_elastic_slurm_job_left_with_fewer_than_min_nodes_is_requeued_and_end
         "launcher.nodes=2:3",
         "launcher.tasks_per_node=1",
     ]
-    run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    cmd = on_first_host(all_hosts, slurm_on_hosts, sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, *slurm)
-    with open(out, "wb") as f:
-        job = subprocess.Popen(
-            [*cmd, *slow_steps(hold), f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_env()
-        )
-
-    def until(world: int, past: int) -> int:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and job.poll() is None:
-            step, size = _newest(run_dir)
-            if size == world and step > past:
-                return step
-            time.sleep(0.2)
-        raise AssertionError(f"no checkpoint of {world} rank(s) past step {past}: " + out.read_text()[-3000:])
+    job = ElasticSlurmJob(all_hosts, slurm_on_hosts, [*args, *slurm], hold, tmp_path)
+    run_dir, out, until = job.run_dir, job.out, job.until
 
     def on_cluster(c: list[str]) -> list[str]:
         return on_first_host(all_hosts, slurm_on_hosts, *c)
@@ -633,7 +632,7 @@ def test_an_elastic_slurm_job_left_with_fewer_than_min_nodes_is_requeued_and_end
             crashed = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True, check=True)
             subprocess.run(["kill", "-KILL", *crashed.stdout.split()], check=True)
         deadline = time.monotonic() + 120
-        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and job.poll() is None:
+        while "requeued SLURM job" not in out.read_text() and time.monotonic() < deadline and job.proc.poll() is None:
             time.sleep(0.2)
         requeued = re.search(
             r"dtf: fewer than 2 node\(s\) met in 10 s; its newest checkpoint, step (\d+), is intact; "
@@ -642,15 +641,16 @@ def test_an_elastic_slurm_job_left_with_fewer_than_min_nodes_is_requeued_and_end
         )
         assert requeued, out.read_text()[-3000:]
         back_up(all_hosts, lost)
-        start_requeued(requeued.group(2), on_cluster, timeout=120)
+        # Pending again once every node of the job has answered that it ended there.
+        start_requeued(requeued.group(2), on_cluster, timeout=240)
         until(3, int(requeued.group(1)) + 5)  # the requeued job trains on all three
         hold.unlink()
         straight = run_dtf([*args, "launcher.nproc=3"], tmp_path / "straight")
-        code = job.wait(timeout=240)
+        code = job.proc.wait(timeout=240)
     finally:
-        if job.poll() is None:
-            job.kill()
-        back_up(all_hosts, lost)
+        if job.proc.poll() is None:
+            job.proc.kill()
+        back_up(all_hosts, lost, check=False)  # the next tests need them (an error above is the one to see)
     assert code == 0, out.read_text()[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
@@ -660,8 +660,8 @@ def test_an_elastic_slurm_job_left_with_fewer_than_min_nodes_is_requeued_and_end
     assert max_difference(DtfRun(0, "", "", run_dir), straight) <= 1e-5
 
 
-def back_up(all_hosts: list[str], nodes: list[str]) -> None:
+def back_up(all_hosts: list[str], nodes: list[str], check: bool = True) -> None:
     """Starts the slurmd of nodes whose host was killed again; the cluster keeps its jobs."""
     for node in nodes:
-        started = run_script("local-slurm.sh", "start-node", slurm_hosts_env(all_hosts), timeout=120, args=[node])
-        assert started.returncode == 0, started.stderr[-2000:]
+        started = run_script("local-slurm.sh", "start-node", slurm_hosts_env(all_hosts), timeout=180, args=[node])
+        assert started.returncode == 0 or not check, started.stderr[-2000:]
