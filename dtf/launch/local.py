@@ -112,7 +112,7 @@ class LocalLauncher(Launcher):
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
         if self.cfg.start_method == "forkserver":
-            forkserver_temp_dir()
+            short_temp_dir()  # the forkserver's socket goes there
         try:
             with (
                 standard_start_method(self.cfg.start_method),
@@ -224,6 +224,7 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
         # too (dtf.results.exit_now): the run dir's release, the checkpoint writer's close,
         # Horovod's shutdown, the user's own.
         mp_util.Finalize(None, _atexit_functions, exitpriority=0)
+    short_temp_dir()
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
@@ -277,10 +278,11 @@ def output_of(e: ChildFailedError, rank: int, run_dir: str) -> str:
 _SOCKET_PATH_MAX = 107 - len("/pymp-12345678/listener-12345678")
 
 
-def forkserver_temp_dir() -> None:
-    """Makes multiprocessing's temp dir now, where the forkserver's socket will be: not under the run
-    dir (temp_files_in), and under /tmp where the temp dir's path is too long for a socket's (a
-    cluster's per-job TMPDIR can be), which failed with "AF_UNIX path too long"."""
+def short_temp_dir() -> None:
+    """Makes multiprocessing's temp dir now, where its sockets go (the forkserver's; a rank's, to pass
+    tensors to its checkpoint writer): not under the run dir (temp_files_in), and under /tmp where
+    the temp dir's path is too long for a socket's (a cluster's per-job TMPDIR can be), which
+    failed with "AF_UNIX path too long"."""
     if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_PATH_MAX or not os.path.isdir("/tmp"):
         mp_util.get_temp_dir()
         return

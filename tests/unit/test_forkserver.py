@@ -17,7 +17,7 @@ from multiprocessing import util as mp_util
 import pytest
 from omegaconf import OmegaConf
 
-from dtf.launch.local import forkserver_temp_dir, in_own_session, preloaded_forkserver, rank_imports
+from dtf.launch.local import in_own_session, preloaded_forkserver, rank_imports, short_temp_dir
 
 PRELOADED = "dtf_test_preloaded_module"  # written by the fixture below: nothing else imports it
 
@@ -119,17 +119,24 @@ def test_the_server_ends_after_its_run_and_nothing_is_left_behind():
     assert not os.path.exists(f"/proc/{pid}")
 
 
-def test_a_temp_dir_too_long_for_the_servers_socket_is_not_used_for_it(tmp_path, monkeypatch):
+def test_a_temp_dir_too_long_for_a_socket_is_not_used_for_the_servers_nor_a_ranks(tmp_path, monkeypatch):
     # A cluster's per-job TMPDIR can be long: the socket's path would pass the 107 bytes a Unix
     # socket's may have ("AF_UNIX path too long", a traceback, no run).
     long = tmp_path / ("d" * 80)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
+    monkeypatch.setenv("TMPDIR", str(long))  # the server's, the ranks
     monkeypatch.setitem(multiprocessing.current_process()._config, "tempdir", None)  # this process's made afresh
-    forkserver_temp_dir()
+    short_temp_dir()
     assert os.path.dirname(mp_util.get_temp_dir()) == "/tmp" and tempfile.gettempdir() == str(long)
     with preloaded_forkserver("forkserver", [PRELOADED], []):
-        assert start_and_ask("-")[0]
+        # and a rank's own, where it passes tensors to its checkpoint writer (resource_sharer's socket)
+        rank_temp = start_and_ask("-", functools.partial(in_own_session, the_temp_dir_the_rank_uses))[1]
+    assert rank_temp is not None and os.path.dirname(rank_temp) == "/tmp"
+
+
+def the_temp_dir_the_rank_uses(conn, unused) -> None:
+    conn.send((True, mp_util.get_temp_dir(), []))
 
 
 def test_other_start_methods_start_no_server():
