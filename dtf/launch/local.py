@@ -224,7 +224,8 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
         # too (dtf.results.exit_now): the run dir's release, the checkpoint writer's close,
         # Horovod's shutdown, the user's own.
         mp_util.Finalize(None, _atexit_functions, exitpriority=0)
-    short_temp_dir()
+    if temp_dir_too_long():  # else multiprocessing makes it where it should, if the rank needs one
+        short_temp_dir()
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
     return fn(cfg, run_dir)
@@ -283,7 +284,7 @@ def short_temp_dir() -> None:
     tensors to its checkpoint writer): not under the run dir (temp_files_in), and under /tmp where
     the temp dir's path is too long for a socket's (a cluster's per-job TMPDIR can be), which
     failed with "AF_UNIX path too long"."""
-    if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_PATH_MAX or not os.path.isdir("/tmp"):
+    if not temp_dir_too_long():
         mp_util.get_temp_dir()
         return
     previous, tempfile.tempdir = tempfile.tempdir, "/tmp"
@@ -291,6 +292,10 @@ def short_temp_dir() -> None:
         mp_util.get_temp_dir()
     finally:
         tempfile.tempdir = previous
+
+
+def temp_dir_too_long() -> bool:
+    return len(os.fsencode(tempfile.gettempdir())) > _SOCKET_PATH_MAX and os.path.isdir("/tmp")
 
 
 @contextlib.contextmanager
