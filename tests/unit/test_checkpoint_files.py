@@ -171,7 +171,7 @@ def _rewrite_marker(path: Path) -> None:
 def test_an_async_save_is_written_by_the_writer_process_from_a_copy_and_equals_a_synchronous_one(
     tmp_path: Path,
 ) -> None:
-    async_saves_equal_synchronous_ones(tmp_path)  # the writer spawned: this process may run threads
+    async_saves_equal_synchronous_ones(tmp_path)  # no start_early here: the writer is spawned
 
 
 # A rank's start (dtf.rank): one thread, torch imported. The writer is forked then, and used.
