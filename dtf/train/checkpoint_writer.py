@@ -216,14 +216,7 @@ class BackgroundWriter:
             return
         self.wait_staged()
         self._copier.shutdown()
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(_STOP)
-            self._process.join(timeout=30)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-        self._conn.close()
+        _stop(self._process, self._conn, timeout_s=30)
         self._stager.close()
 
 
@@ -276,14 +269,19 @@ def _drop_early() -> None:
     of the pipe too, from the fork: it would never read an end of file)."""
     early = _take_early()
     if early is not None:
-        process, conn = early
+        _stop(*early, timeout_s=5)
+
+
+def _stop(process: multiprocessing.process.BaseProcess, conn: Connection, timeout_s: float) -> None:
+    """Tells a writer to end once it has written what it was sent; killed if it has not within timeout_s."""
+    if process.is_alive():
         with contextlib.suppress(OSError):
             conn.send(_STOP)
-        conn.close()
-        process.join(timeout=5)
+        process.join(timeout=timeout_s)
         if process.is_alive():
             process.kill()
             process.join()
+    conn.close()
 
 
 def lowest_priority() -> None:
