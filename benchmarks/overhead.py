@@ -44,8 +44,10 @@ from common import dtf_summary
 HERE = Path(__file__).resolve().parent
 
 
-def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
-    out = tmp / f"raw{i}.json"
+def run_raw(tmp: Path, i: int, args: argparse.Namespace, floor: bool = False) -> dict:
+    """The hand-written loop (a per-sample DataLoader, as users write it), or with floor=True the
+    compute floor (the same batches cut out of the tensors by indexing: nothing but torch)."""
+    out = tmp / f"{'floor' if floor else 'raw'}{i}.json"
     cmd = [
         sys.executable,
         "-m",
@@ -56,6 +58,7 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace) -> dict:
         f"--epochs={args.epochs}",
         f"--batch-size={args.batch_size}",
         f"--out={out}",
+        *(["--floor"] if floor else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -73,34 +76,39 @@ def run_dtf(tmp: Path, i: int, args: argparse.Namespace, checkout: Path | None =
     return dtf_summary(tmp / f"{'baseline' if checkout else 'dtf'}{i}", overrides, checkout)
 
 
-def compare(args: argparse.Namespace) -> tuple[float, float]:
-    """Alternating raw and dtf runs; prints them; returns the medians of the paired ratios (step
-    time, and training time per step)."""
-    raw, ours, base = [], [], []
+def compare(args: argparse.Namespace) -> tuple[float, float, float]:
+    """Alternating raw, floor and dtf runs; prints them; returns the medians of the paired ratios
+    (step time dtf / raw, training time per step dtf / raw, step time dtf / floor)."""
+    raw, floor, ours, base = [], [], [], []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for i in range(args.repeats):
             raw.append(run_raw(tmp, i, args))
+            floor.append(run_raw(tmp, i, args, floor=True))
             ours.append(run_dtf(tmp, i, args))
             if args.baseline:
                 base.append(run_dtf(tmp, i, args, Path(args.baseline).resolve()))
             print(
                 f"batch {args.batch_size}, repeat {i + 1}/{args.repeats}: raw {raw[-1]['step_time_s'] * 1e3:.3f} "
-                f"ms/step, dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step"
+                f"ms/step, floor {floor[-1]['step_time_s'] * 1e3:.3f} ms/step, "
+                f"dtf {ours[-1]['step_time_s'] * 1e3:.3f} ms/step"
                 + (f", baseline {base[-1]['step_time_s'] * 1e3:.3f} ms/step" if base else ""),
                 flush=True,
             )
     raw_med = statistics.median(r["step_time_s"] for r in raw)
+    floor_med = statistics.median(r["step_time_s"] for r in floor)
     dtf_med = statistics.median(r["step_time_s"] for r in ours)
     ratios = sorted(o["step_time_s"] / r["step_time_s"] for r, o in zip(raw, ours, strict=True))
+    floor_ratios = sorted(o["step_time_s"] / f["step_time_s"] for f, o in zip(floor, ours, strict=True))
     mean_ratios = sorted(
         (o["train_seconds"] / o["global_step"]) / (r["train_seconds"] / r["num_steps"])
         for r, o in zip(raw, ours, strict=True)
     )
     print()
-    print(f"{'':24}{'raw DDP loop':>14}{'dtf':>14}")
-    print(f"{'median step time (ms)':24}{raw_med * 1e3:>14.3f}{dtf_med * 1e3:>14.3f}")
-    print(f"{'final train loss':24}{raw[-1]['final_train_loss']:>14.6g}{ours[-1]['final_train_loss']:>14.6g}")
+    print(f"{'':24}{'raw DDP loop':>14}{'floor':>14}{'dtf':>14}")
+    print(f"{'median step time (ms)':24}{raw_med * 1e3:>14.3f}{floor_med * 1e3:>14.3f}{dtf_med * 1e3:>14.3f}")
+    losses = (raw[-1]["final_train_loss"], floor[-1]["final_train_loss"], ours[-1]["final_train_loss"])
+    print(f"{'final train loss':24}" + "".join(f"{loss:>14.6g}" for loss in losses))
     print(f"paired ratios dtf / raw: {' '.join(f'{r:.3f}' for r in ratios)}")
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     print(
@@ -114,9 +122,15 @@ def compare(args: argparse.Namespace) -> tuple[float, float]:
         f"(quartiles {m1:.3f}-{m3:.3f})\n",
         flush=True,
     )
+    f1, _, f3 = statistics.quantiles(floor_ratios, n=4) if len(floor_ratios) > 1 else (floor_ratios[0],) * 3
+    print(
+        f"ratio dtf / floor: median {statistics.median(floor_ratios):.3f} (quartiles {f1:.3f}-{f3:.3f}); "
+        f"pairs {' '.join(f'{r:.3f}' for r in floor_ratios)}\n",
+        flush=True,
+    )
     if base:
         against_base(ours, base)
-    return statistics.median(ratios), statistics.median(mean_ratios)
+    return statistics.median(ratios), statistics.median(mean_ratios), statistics.median(floor_ratios)
 
 
 def against_base(ours: list[dict], base: list[dict]) -> None:
@@ -192,9 +206,9 @@ def main() -> None:
     for size in sizes:
         args.batch_size = size
         table[size] = compare(args)
-    print(f"{'batch per rank':>16}{'step dtf / raw':>16}{'train time per step':>22}")
-    for size, (step, mean) in table.items():
-        print(f"{size:>16}{step:>16.3f}{mean:>22.3f}")
+    print(f"{'batch per rank':>16}{'step dtf / raw':>16}{'train time per step':>22}{'step dtf / floor':>18}")
+    for size, (step, mean, over_floor) in table.items():
+        print(f"{size:>16}{step:>16.3f}{mean:>22.3f}{over_floor:>18.3f}")
     print(f"(medians of {args.repeats} alternating pairs, {args.nproc} ranks, {args.epochs} epochs each)\n")
     for size in sizes:
         profile_step(size)

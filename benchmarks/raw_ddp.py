@@ -5,6 +5,10 @@ checkpointing): the baseline of benchmarks/overhead.py. Run it under torchrun:
 
 It trains the same model on the same data with the same seed, batch size and LR as dtf's
 default run, and times every optimizer step the way dtf does (wall time between step ends).
+
+With --floor it is the compute floor instead: the same work with nothing but torch, each batch
+cut out of the tensors with one indexing op per tensor (the DistributedSampler's own indices, so
+the very same batches), no DataLoader.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dtf.data.datasets import scalar_field
 from dtf.models.approximator import Approximator
@@ -32,6 +37,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--out", required=True)
+    p.add_argument("--floor", action="store_true", help="batches by indexing the tensors: no DataLoader")
     args = p.parse_args()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -50,7 +56,7 @@ def main() -> None:
         sampler.set_epoch(epoch)
         total = torch.zeros(2, dtype=torch.float64)
         t_epoch = t_last = time.perf_counter()
-        for x, y in loader:
+        for x, y in floor_batches(train, sampler, args.batch_size) if args.floor else loader:
             loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -83,6 +89,14 @@ def main() -> None:
     # active exception") whose peer destroys the group while its own last collective is in flight.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def floor_batches(data: TensorDataset, sampler: DistributedSampler, batch_size: int) -> Iterator[list[torch.Tensor]]:
+    """The sampler's batches, each tensor indexed once per batch (what the DataLoader's batches hold)."""
+    indices = torch.as_tensor(list(sampler), dtype=torch.long)
+    for first in range(0, len(indices), batch_size):
+        rows = indices[first : first + batch_size]
+        yield [t[rows] for t in data.tensors]
 
 
 if __name__ == "__main__":
