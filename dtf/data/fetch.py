@@ -10,11 +10,11 @@ DataLoader calls with the batch's indices) is fetched by batch already.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
+from torch.utils.data import Dataset, Sampler, Subset, TensorDataset, default_collate
 
 from dtf.config.schema import Fetch
 from dtf.errors import UserError
@@ -41,6 +41,16 @@ class TensorBatches(Dataset):
             rows = self.rows[rows]
         # a list, as default_collate makes of a batch of tuples
         return _Whole([t[rows] for t in self.tensors])
+
+    def batches(self, sampler: Sampler[int], batch_size: int, drop_last: bool) -> Iterator[list[torch.Tensor]]:
+        """The batches a DataLoader over this dataset gives with this sampler (batch_size,
+        drop_last), each indexed out of the tensors in one op per tensor: the same tensors, bit for bit."""
+        order = torch.as_tensor(list(sampler), dtype=torch.long)
+        rows = self.rows[order] if self.rows is not None else order
+        stop = len(rows) - len(rows) % batch_size if drop_last else len(rows)
+        for first in range(0, stop, batch_size):
+            taken = rows[first : first + batch_size]
+            yield [t[taken] for t in self.tensors]
 
 
 class _Whole:

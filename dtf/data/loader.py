@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from dtf import signals
 from dtf.config.schema import LoaderDataConfig, ParquetDataConfig
 from dtf.config.typed import DataConfig
-from dtf.data.fetch import fetching
+from dtf.data.fetch import TensorBatches, fetching
 from dtf.data.interface import DataSplits, TrainData
 from dtf.data.samplers import EvalShardSampler, ResumableDistributedSampler
 from dtf.dist.env import DistEnv
@@ -32,6 +32,10 @@ class LoaderTrainData:
     batch_size: int
     batches_per_epoch: int
     fetched_by_batch: bool = False  # data.fetch (dtf.data.fetch)
+    # Tensors in this process (no workers, no pinning), fetched by batch: the batches are cut out
+    # of them here, without the DataLoader's per-batch machinery (~40 us a batch, most of a small
+    # model's gap to a hand-written loop that indexes its tensors).
+    in_memory: TensorBatches | None = None
     # The samples consumed mid-epoch are a prefix of the sampler's global order, on any world size.
     position_survives_world_size_change = True
     num_partitions = None
@@ -40,6 +44,8 @@ class LoaderTrainData:
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
+        if self.in_memory is not None:
+            return self.in_memory.batches(self.sampler, self.batch_size, self.loader.drop_last)
         return iter(self.loader)
 
     def set_epoch(self, epoch: int, start_batch: int = 0, read_ahead: bool = False) -> None:
@@ -234,7 +240,9 @@ def from_datasets(
             f"data.batch_size={cfg.batch_size} with drop_last leaves no batch for a rank "
             f"({len(sampler)} samples each): lower data.batch_size or set data.drop_last=false"
         )
-    train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader), by_batch)
+    direct = cfg.num_workers == 0 and not common["pin_memory"]
+    in_memory = source if direct and isinstance(source, TensorBatches) else None
+    train = LoaderTrainData(train_loader, sampler, cfg.batch_size, len(train_loader), by_batch, in_memory)
     return train, eval_data(test_set, cfg, env, seed) if test_set is not None else None
 
 

@@ -55,6 +55,7 @@ def test_batched_fetch_gives_the_per_sample_batches_bit_for_bit(
             _loaders(train, test, mode, world, rank, **settings) for mode in (Fetch.per_sample, Fetch.batched)
         )
         assert b_train.fetched_by_batch and not ps_train.fetched_by_batch
+        assert b_train.in_memory is not None  # cut out of the tensors directly, without the DataLoader
         assert "fetched by batch" in b_train.describe() and "fetched per sample" in ps_train.describe()
         assert (len(b_train), b_train.num_dropped_per_epoch, b_train.num_repeated_per_epoch) == (
             len(ps_train),
@@ -123,6 +124,7 @@ def test_batched_fetch_in_loader_workers_gives_the_same_batches(digits: tuple[Te
     train, test = digits
     ps = _loaders(train, test, Fetch.per_sample, 2, 0)[0]
     in_workers = _loaders(train, test, Fetch.batched, 2, 0, num_workers=2)[0]
+    assert in_workers.in_memory is None  # the DataLoader's workers fetch them
     for epoch in (0, 1):
         ps.set_epoch(epoch), in_workers.set_epoch(epoch)
         for x, y in zip(ps, in_workers, strict=True):
