@@ -35,21 +35,25 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, request: EvalRequest) -> Fi
 
     from dtf.files import write_json
     from dtf.results import Finished
-    from dtf.signals import StopRequest
     from dtf.train import loop
     from dtf.train.checkpoint import load_app_state, read_marker
+    from dtf.train.metrics import Metrics
     from dtf.train.rng import seed_everything
+    from dtf.train.validator import Validator, describe
 
     checkpoint = Path(request.checkpoint)
     seed_everything(run.trainer.seed)
     parts = loop.setup_model(run, env)
     splits = loop.setup_data(run, env, None)
     model, optimizer = parts.strategy.setup(parts.model, instantiate(run.composed.optimizer), env)
-    trainer = loop.assemble(run, env, run_dir, StopRequest(()), parts, model, optimizer, splits)
+    cfg = run.composed
+    measures = Metrics.build(cfg.get("metrics"), env.device, cfg.get("loss"))
+    validator = Validator(env, loop.step_forward(run, parts.precision), measures, splits.val, splits.test)
     # The model's weights only (the optimizer's state is not needed, and may be another's).
-    app_state = {"model": trainer.app_state()["model"]}
+    current = parts.strategy.state_dict(model, optimizer)
+    app_state = {"model": current["model"]}
     load_app_state(checkpoint, app_state, "evaluate it with the model it was trained with (leave out model overrides)")
-    parts.strategy.load_state_dict(model, optimizer, {**trainer.app_state(), "model": app_state["model"]})
+    parts.strategy.load_state_dict(model, optimizer, {**current, "model": app_state["model"]})
     wanted = [s for s in SPLITS if "all" in request.splits or s in request.splits]
     data = {"val": splits.val, "test": splits.test}
     missing = [s for s in wanted if data[s] is None and "all" not in request.splits]
@@ -63,11 +67,10 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, request: EvalRequest) -> Fi
         split_data = data[split]
         if split_data is None:
             continue
-        result = trainer.evaluate(split_data)
+        result = validator.evaluate(model, split_data)
         assert result is not None
         loss, values = result
         metrics.update({f"{split}/loss": loss, **{f"{split}/{k}": v for k, v in values.items()}})
-    trainer.loggers.close()  # nothing was started: an evaluation logs nowhere but its record
     if not env.is_main:
         return None
     marker = read_marker(checkpoint)
@@ -80,7 +83,6 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, request: EvalRequest) -> Fi
         "metrics": metrics,
     }
     write_json(checkpoint / EVAL_FILE, record)
-    from dtf.train.trainer import describe
 
     print(
         f"dtf: evaluated {checkpoint} (step {marker.step}) on {env.world_size} rank(s), strategy={run.strategy.name}: "

@@ -33,13 +33,16 @@ from dtf.train import blocks, debug, loggers, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
+from dtf.train.forward import Forward, supervised_step
 from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
 from dtf.train.precision import Precision
 from dtf.train.rng import seed_everything
 from dtf.train.selection import TEST_BIAS_WARNING, resolve_objective
-from dtf.train.trainer import Pruning, Trainer, supervised_step
+from dtf.train.state import TrainState
+from dtf.train.trainer import Trainer
+from dtf.train.validator import Pruning, Validator
 
 
 def run(
@@ -57,7 +60,8 @@ def run(
             return done if env.is_main else None
         start_loggers(run, trainer)
         try:
-            trainer.fit()
+            with profiling(run, trainer, run_dir):
+                trainer.fit()
             beat.mark("finishing")
             result = finish(run, trainer, run_dir, stop_request)
         except BaseException:
@@ -65,11 +69,20 @@ def run(
             elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
             trainer.loggers.close("failed")
             raise
-        if isinstance(result, Stopped):  # (by the agent, for a node that joins?)
+        if isinstance(result, Stopped):  # the agent stops the ranks for a node that joins: its record too
             elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
         return result
     finally:
         beat.close()
+
+
+def profiling(run: RunConfig, trainer: Trainer, run_dir: Path) -> contextlib.AbstractContextManager[Any]:
+    """trainer.profiler around the fit, told of every optimizer step; nothing where it is off."""
+    profiler = debug.profiler(run.trainer.profiler, run_dir, trainer.env)
+    if profiler is None:
+        return contextlib.nullcontext()
+    trainer.step_hooks.append(profiler.step)
+    return profiler
 
 
 def start_loggers(run: RunConfig, trainer: Trainer) -> None:
@@ -240,8 +253,35 @@ def assemble(
 ) -> Trainer:
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
-    objective = objective_name(run, splits)
     checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name, t.dist_timeout_s)
+    control = StepControl(
+        stop_request,
+        checkpointer,
+        env.world_size,
+        every_n_steps=ck.stop_check_every_n_steps,
+        every_s=ck.stop_check_every_s,
+        is_main=env.is_main,
+    )
+    forward = step_forward(run, parts.precision)
+    logs = loggers.build(run, run_dir, env.is_main, env.world_size)
+    objective = objective_name(run, splits)
+    best_model = run_dir / run_summary.BEST_WEIGHTS_FILE if ck.keep_best else None
+    validator = Validator(
+        env,
+        forward,
+        Metrics.build(cfg.get("metrics"), env.device, cfg.get("loss")),
+        splits.val,
+        splits.test,
+        settings=t,
+        steps_per_epoch=t.steps_per_epoch(len(splits.train)),
+        state=TrainState(),
+        objective=objective,
+        pruning=trial_pruning(run, objective, env),
+        control=control,
+        heartbeat=beat,
+        loggers=logs,
+        keep_best=(checkpointer, parts.strategy, best_model),
+    )
     trainer = Trainer(
         t,
         env,
@@ -249,32 +289,24 @@ def assemble(
         model,
         optimizer,
         schedule=lr_schedule(run, optimizer, env.world_size),
-        loss_fn=TargetsLikeOutput(instantiate(cfg.loss), label_source(run.data)),
-        step_fn=instantiate(t.step_fn) if t.step_fn else supervised_step,
+        forward=forward,
         train_data=splits.train,
-        val_data=splits.val,
-        test_data=splits.test,
-        loggers=loggers.build(run, run_dir, env.is_main, env.world_size),
-        checkpointer=checkpointer,
-        metrics=Metrics.build(cfg.get("metrics"), env.device, cfg.get("loss")),
         train_metrics=Metrics.build(cfg.get("metrics") if t.train_metrics else None, env.device, cfg.get("loss")),
-        control=StepControl(
-            stop_request,
-            checkpointer,
-            env.world_size,
-            every_n_steps=ck.stop_check_every_n_steps,
-            every_s=ck.stop_check_every_s,
-            is_main=env.is_main,
-        ),
-        precision=parts.precision,
-        pruning=trial_pruning(run, objective, env),
+        validator=validator,
+        loggers=logs,
+        control=control,
         heartbeat=beat,
-        objective=objective,
-        profiler=debug.profiler(t.profiler, run_dir, env),
-        best_model_path=run_dir / run_summary.BEST_WEIGHTS_FILE if ck.keep_best else None,
     )
     trainer.model_state_estimate_bytes = parts.state_estimate_bytes
     return trainer
+
+
+def step_forward(run: RunConfig, precision: Precision) -> Forward:
+    """How a batch's loss is computed, in training and evaluation alike: trainer.step_fn (or
+    supervised_step) with the loss section, under the precision."""
+    t = run.trainer
+    loss_fn = TargetsLikeOutput(instantiate(run.composed.loss), label_source(run.data))
+    return Forward(instantiate(t.step_fn) if t.step_fn else supervised_step, loss_fn, precision)
 
 
 def lr_schedule(run: RunConfig, optimizer: Optimizer, world_size: int) -> schedule.LRSchedule:
@@ -350,10 +382,10 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
         ]
         if on
     ]
-    if trainer.selection.objective.startswith("test/") and selects:
+    objective = trainer.validator.selection.objective
+    if objective.startswith("test/") and selects:
         print(
-            f"dtf: warning: trainer.objective={trainer.selection.objective} chooses ({', '.join(selects)}): "
-            f"{TEST_BIAS_WARNING}",
+            f"dtf: warning: trainer.objective={objective} chooses ({', '.join(selects)}): {TEST_BIAS_WARNING}",
             flush=True,
         )
     if t.warmup_steps >= trainer.schedule.plan.total:
@@ -393,5 +425,5 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRe
         step = trainer.stopped_at_step
         return Stopped(stop_request.signal_name, step, str(trainer.checkpointer.path_of(step)))
     summary = run_summary.finish(run, trainer, run_dir)
-    trainer.loggers.close("finished" if trainer.pruned_at_epoch is None else "pruned")
+    trainer.loggers.close("finished" if trainer.validator.pruned_at_epoch is None else "pruned")
     return Finished(summary.as_dict()) if summary is not None else None

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtf.config.typed import RunConfig
 from dtf.dist.env import DistEnv
 from dtf.files import write_json
-from dtf.train.trainer import describe, show
+from dtf.train.validator import describe, show
 
 if TYPE_CHECKING:
     from dtf.train.trainer import Trainer
@@ -271,7 +271,7 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path) -> LoopSummary | Non
 def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run_dir: Path) -> LoopSummary:
     st, data, blocked = trainer.state, trainer.train_data, trainer.checkpointer.blocked_s
     finals = st.latest_metrics()
-    objective = trainer.selection.objective
+    objective = trainer.validator.selection.objective
     val_losses = [e["val/loss"] for e in st.evaluations if "val/loss" in e]
     on_slurm = "SLURM_JOB_ID" in os.environ
     return LoopSummary(
@@ -311,13 +311,13 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         weights_file=WEIGHTS_FILE if run.trainer.export_weights else None,
         objective=finals.get(objective),
         objective_name=objective,
-        pruned=trainer.pruned_at_epoch is not None,
+        pruned=trainer.validator.pruned_at_epoch is not None,
         final_val_loss=val_losses[-1] if val_losses else None,
         evaluations=st.evaluations,
         best_step=st.best_step,
         best_objective=st.best_objective,
         stopped_early=st.stopped_early,
-        best_weights_file=BEST_WEIGHTS_FILE if trainer.best_model_path is not None else None,
+        best_weights_file=BEST_WEIGHTS_FILE if trainer.validator.best_model_path is not None else None,
     )
 
 
