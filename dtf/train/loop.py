@@ -69,7 +69,7 @@ def run(
             elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
             trainer.loggers.close("failed")
             raise
-        if isinstance(result, Stopped):  # the agent stops the ranks for a node that joins: its record too
+        if isinstance(result, Stopped):  # a stop signal (the agent stops the ranks for a node that joins, too)
             elastic.record_end(run_dir, env.rank, env.world_size, trainer.state.step)
         return result
     finally:
