@@ -9,7 +9,9 @@ checkout's dtf, in turn with the others, and the verdict adds the ratio this / b
 cost, A/B in one run.
 
 With --batch-sizes, the same comparison at each per-rank batch size, then a table of the ratios,
-then a torch.profiler summary of dtf's step at each size (one process: where the time goes).
+then a torch.profiler summary of the floor's step at each size (one process: where the compute
+goes) and dtf's own cost per step (one process: dtf's loop against the floor's, and the time in
+dtf's own functions). --own-time prints only the last, quickly.
 The hand-written loop reads its batches as users write it: a DataLoader over the TensorDataset,
 one __getitem__ per sample and a default_collate per batch; dtf by default fetches each batch
 with one indexing op per tensor (data.fetch=auto), the same batches.
@@ -189,6 +191,73 @@ def profile_step(batch_size: int, steps: int = 30) -> None:
     print(f"torch.profiler, {steps} steps of batch {batch_size} in one process ({data.describe()}):\n{table}")
 
 
+def dtf_own_time(batch_size: int, epochs: int = 3, repeats: int = 3) -> None:
+    """dtf's own cost per step, in one process on a process group of one: its loop (the default
+    job, no metrics, no logger) against the floor's (the same model, optimizer and batches cut out
+    of the tensors, under DDP too), alternating, medians; then cProfile's time per step in dtf's
+    own functions (cProfile inflates small functions: read it as where, not how much)."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from dtf.data.datasets import scalar_field
+    from dtf.models.approximator import Approximator
+    from tests.helpers.inprocess import group_of_one, train_in_process
+
+    torch.set_num_threads(1)
+    overrides = [f"data.batch_size={batch_size}", f"trainer.max_epochs={epochs}", "logger=[]", "metrics=none"]
+
+    def floor() -> float:
+        torch.manual_seed(0)
+        (x, y), _ = (t.tensors for t in scalar_field())
+        model = torch.nn.parallel.DistributedDataParallel(Approximator())
+        opt, loss_fn = torch.optim.Adam(model.parameters(), 1e-3), torch.nn.MSELoss()
+        times, last = [], time.perf_counter()
+        for epoch in range(epochs):
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+            for first in range(0, len(x), batch_size):
+                rows = order[first : first + batch_size]
+                loss = loss_fn(model(x[rows]), y[rows])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+        return statistics.median(times[5:])
+
+    floors, ours = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(repeats):
+            with group_of_one():
+                floors.append(floor())
+            ours.append(train_in_process(overrides, Path(d) / f"run{i}")["step_time_s"])
+        profiler = cProfile.Profile()
+        profiler.enable()
+        summary = train_in_process(overrides, Path(d) / "profiled")
+        profiler.disable()
+    per_step = 1e6 / summary["global_step"]
+    print(
+        f"in one process, batch {batch_size}: floor {statistics.median(floors) * 1e6:.0f} us/step, dtf "
+        f"{statistics.median(ours) * 1e6:.0f} us/step (medians of {repeats}; dtf / floor "
+        f"{statistics.median(o / f for o, f in zip(ours, floors, strict=True)):.3f})"
+    )
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    steps = summary["global_step"]
+    rows = sorted(
+        (tt, ct, f"{Path(file).name}:{line}:{name}")
+        for (file, line, name), (_, calls, tt, ct, _) in stats.items()
+        if "/dtf/" in file and calls >= steps  # called every step: not start-up's
+    )[::-1]
+    print(f"dtf's own functions called every step, cProfile time per step (us): {'own':>8}{'with callees':>14}")
+    for tt, ct, where in rows[:12]:
+        print(f"  {where:<46}{tt * per_step:>8.1f}{ct * per_step:>14.1f}")
+    print()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -197,7 +266,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32, help="per rank (the default job's)")
     p.add_argument("--batch-sizes", help="comma-separated: compare at each, then a table")
     p.add_argument("--baseline", help="another dtf checkout, run in turn with this one: the ratio this / baseline")
+    p.add_argument("--own-time", action="store_true", help="only dtf's own cost per step, in one process")
     args = p.parse_args()
+    if args.own_time:
+        for size in [int(b) for b in (args.batch_sizes or str(args.batch_size)).split(",")]:
+            dtf_own_time(size)
+        return
     if not args.batch_sizes:
         compare(args)
         return
@@ -212,6 +286,7 @@ def main() -> None:
     print(f"(medians of {args.repeats} alternating pairs, {args.nproc} ranks, {args.epochs} epochs each)\n")
     for size in sizes:
         profile_step(size)
+        dtf_own_time(size)
 
 
 if __name__ == "__main__":
