@@ -1,7 +1,7 @@
 # Two commands set up a fresh machine (each creates .venv on first use):
 #   make run    the main job: python -m dtf on its default config (add ARGS="key=value ...")
 #   make test   lint + the whole test suite (what CI runs)
-#   make test-fast   lint + the tests that run in process (not marked slow): the loop while developing
+#   make test-fast   lint + the tests not marked slow (tests/unit, tests/config; no clusters): the loop while developing
 #   make test-compat   test-fast on the lowest declared versions (Python 3.10) and the newest (Python 3.13)
 PYTHON ?= python3
 VENV ?= .venv

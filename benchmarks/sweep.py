@@ -6,7 +6,7 @@ same range, the same number of trials, on the same machine, in one run.
 
 Both search optimizer.lr in [1e-6, 1e-1] (the grid: log-spaced points; dtf: Optuna's TPE,
 seeded) on the default job. Prints each sweep's wall time, trials pruned and best test loss,
-and writes both sweeps' reports (python -m dtf.report) next to them.
+and writes both sweeps' reports (python -m dtf.sweep.report) next to them.
 """
 
 from __future__ import annotations

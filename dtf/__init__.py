@@ -3,14 +3,15 @@
 __version__ = "0.1.0"
 
 
-# The Python API (dtf.api), imported on first use: ranks and the command line import this package
-# and must not pay for composing machinery they do not use.
+# The Python API (dtf.api; dtf.evaluate and dtf.report beside it), imported on first use: ranks and the
+# command line import this package and must not pay for composing machinery they do not use.
 _API = {
     "run": "dtf.api",
     "run_function": "dtf.api",
     "sweep": "dtf.api",
     "validate": "dtf.api",
     "evaluate": "dtf.eval",
+    "report": "dtf.train.function",  # dtf.report(name, total, count), from inside a training function
     "RunStopped": "dtf.api",
     "UserError": "dtf.errors",
 }
@@ -22,6 +23,4 @@ def __getattr__(name: str) -> object:
 
     if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
-    if name == "report":  # dtf.report(name, total, count): the module dtf.report is callable (its end says why)
-        return importlib.import_module("dtf.report")
     raise AttributeError(f"module 'dtf' has no attribute {name!r}")

@@ -172,14 +172,14 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """A sweep as `python -m dtf -m <overrides>` with Hydra's basic sweeper: every combination of
     the comma lists (and range()/choice() sweeps), one run after another, each in
-    <sweep_dir>/<n>, then the sweep's report (report.md and plots, dtf.report). Returns the
+    <sweep_dir>/<n>, then the sweep's report (report.md and plots, dtf.sweep.report). Returns the
     points' summaries in order. For a sweeper that chooses points by their values (Optuna),
     call run() from its objective, or use the command line with hydra/sweeper=..."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from dtf.report import build
+    from dtf.sweep.report import build
 
     given = list(overrides or [])
     try:

@@ -17,31 +17,9 @@ from torch.optim import Optimizer
 
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
-from dtf.errors import UserError
 from dtf.memory import OptimizerFactory, StateShares
+from dtf.models.blocks import find_blocks  # importable from here too, where it lived before
 from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
-
-
-def find_blocks(
-    model: nn.Module, class_names: list[str] | None, key: str = "strategy.block_classes"
-) -> list[nn.Module]:
-    """The model's blocks (never the root), outermost first: the modules of the named classes, or
-    by default the children of every nn.Sequential / nn.ModuleList that hold parameters, else the
-    model's direct children with parameters. FSDP shards them as units; trainer.compile=blocks
-    compiles them. key: the setting that named the classes, for the error message."""
-    if class_names:
-        blocks = [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
-        present = {type(m).__name__ for m in model.modules() if m is not model}
-        missing = [n for n in class_names if n not in present]
-        if missing:
-            raise UserError(
-                f"{key}: no module of class {', '.join(missing)} in the model; "
-                f"its classes are: {', '.join(sorted(present))}"
-            )
-        return blocks
-    containers = [m for m in model.modules() if isinstance(m, nn.Sequential | nn.ModuleList)]
-    candidates = [c for container in containers for c in container.children()] or list(model.children())
-    return [m for m in candidates if any(True for _ in m.parameters())]
 
 
 class FSDPStrategy(Strategy):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtf.strategy.fsdp import find_blocks
+from dtf.models.blocks import find_blocks
 
 
 def outermost(blocks: list[nn.Module]) -> list[nn.Module]:

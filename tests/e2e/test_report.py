@@ -19,6 +19,7 @@ def test_a_sweep_prints_where_its_report_is(tmp_path: Path) -> None:
     assert f"dtf: sweep report: {sweep / 'report.md'}" in run.stdout.splitlines()
     text = (sweep / "report.md").read_text()
     assert "| optimizer.lr |" in text and text.count("**best**") == 1
+    assert f"Made by `python -m dtf.sweep.report {sweep}`" in text  # the command that makes it again
     for job, lr in (("0", "0.001"), ("1", "0.002")):
         assert any(line.startswith((f"| {job} | {lr} |", f"| **{job}** | {lr} |")) for line in text.splitlines())
     assert (sweep / "curves.png").stat().st_size > 0 and (sweep / "objective_vs_optimizer.lr.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""The sweep report (dtf/report.py) of multirun directories made by hand, as Hydra, dtf and a sweeper
+"""The sweep report (dtf/sweep/report.py) of multirun directories made by hand, as Hydra, dtf and a sweeper
 leave them: overrides.yaml, summary.json (one pruned), a failed point with only trial.json."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from dtf import report
+from dtf.sweep import report
 from tests.conftest import REPO, dtf_env
 
 
@@ -270,7 +270,12 @@ def test_without_matplotlib_the_table_is_still_written(hpo_sweep: Path, monkeypa
 
 def run_report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dtf.report", *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=dtf_env()
+        [sys.executable, "-m", "dtf.sweep.report", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=dtf_env(),
     )
 
 
@@ -338,6 +343,14 @@ def test_the_report_is_built_after_slurm_jobs_are_waited_for(monkeypatch: pytest
 
 
 def test_importing_the_report_or_the_command_line_loads_no_matplotlib() -> None:
-    code = "import sys, dtf.cli, dtf.report; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
+    code = "import sys, dtf.cli, dtf.sweep.report; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dtf_env())
     assert out.stdout.strip() == "[]"
+
+
+def test_dtf_report_is_the_training_functions_value_not_this_module() -> None:
+    # python -m dtf.sweep.report makes a sweep's report; dtf.report(name, total, count) is a function's exact value.
+    import dtf
+    from dtf.train.function import report as function_report
+
+    assert dtf.report is function_report and "report" in dtf.__all__

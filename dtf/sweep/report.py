@@ -1,4 +1,4 @@
-"""`python -m dtf.report <multirun dir>`: a sweep's points in one page anyone can read without a
+"""`python -m dtf.sweep.report <multirun dir>`: a sweep's points in one page anyone can read without a
 tracking server. Writes `report.md` and PNG plots into the sweep's directory, from what every point
 leaves behind: `.hydra/overrides.yaml`, `summary.json` and, where a sweeper writes one, `trial.json`.
 
@@ -15,7 +15,6 @@ import os
 import re
 import statistics
 import sys
-import types
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -566,8 +565,8 @@ def render(sweep: Sweep, sweep_dir: Path) -> str:
         if rows:
             lines += ["## Scaling", "", *scaling_table(rows, sweep.objective_name), ""]
     lines += [
-        f"Made by `python -m dtf.report {sweep_dir}` from each point's `.hydra/overrides.yaml` and `summary.json`;"
-        " the same command makes it again.",
+        f"Made by `python -m dtf.sweep.report {sweep_dir}` from each point's `.hydra/overrides.yaml` and"
+        " `summary.json`; the same command makes it again.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -603,7 +602,7 @@ class SweepReport(Callback):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dtf.report",
+        prog="python -m dtf.sweep.report",
         description="Write report.md and PNG plots of a sweep's points into its directory.",
     )
     parser.add_argument("sweep_dir", help="the sweep's directory (multirun/<date>/<time>, or its hydra.sweep.dir)")
@@ -616,19 +615,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dtf: sweep report: {report}", flush=True)
     return 0
 
-
-class _CallableModule(types.ModuleType):
-    """`dtf.report` is this module (a sweep's report) and, called, a training function's exact
-    value: dtf.report(name, total, count) (dtf.train.function.report). A package attribute
-    cannot be a function of that name: importing the submodule would replace it."""
-
-    def __call__(self, name: str, total: float, count: float) -> None:
-        from dtf.train.function import report
-
-        report(name, total, count)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
