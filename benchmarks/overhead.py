@@ -60,6 +60,7 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace, floor: bool = False) ->
         f"--epochs={args.epochs}",
         f"--batch-size={args.batch_size}",
         f"--out={out}",
+        f"--device={args.device}",
         *(["--floor"] if floor else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -74,6 +75,7 @@ def run_dtf(tmp: Path, i: int, args: argparse.Namespace, checkout: Path | None =
         f"trainer.max_epochs={args.epochs}",
         f"data.batch_size={args.batch_size}",
         "trainer.progress=off",
+        f"trainer.device={args.device}",
     ]
     return dtf_summary(tmp / f"{'baseline' if checkout else 'dtf'}{i}", overrides, checkout)
 
@@ -265,6 +267,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (the default job's)")
     p.add_argument("--batch-sizes", help="comma-separated: compare at each, then a table")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank: --nproc at most the GPUs)")
     p.add_argument("--baseline", help="another dtf checkout, run in turn with this one: the ratio this / baseline")
     p.add_argument("--own-time", action="store_true", help="only dtf's own cost per step, in one process")
     args = p.parse_args()

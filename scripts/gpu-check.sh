@@ -11,9 +11,8 @@
 #   precision/compile 90 s  bf16-mixed, trainer.compile=true, and both on fsdp, against fp32 (deep_mlp)
 #   memory            45 s  each rank's torch.cuda.max_memory_allocated against the ZeRO formula: ddp and
 #                           fsdp on one rank; with 2 GPUs (80 s) also zero stages 1-3, on 2 ranks
-#   overhead          70 s  benchmarks/overhead.py --repeats 3 --epochs 3: dtf's step against the
-#                           hand-written loop, absolute and as a ratio, both on the CPU: the hand-written
-#                           loop (benchmarks/raw_ddp.py) has no CUDA path
+#   overhead          70 s  benchmarks/overhead.py --repeats 3 --epochs 3 --nproc 1 --device cuda: dtf's
+#                           step against the hand-written loop and the floor on the GPU, absolute and as ratios
 #   two-rank tests    60 s  only with 2 GPUs or more: pytest tests/dist/test_equivalence.py (on CUDA)
 # The report is one file: each section's command, exit status, time and key figures, and the last
 # lines of a section that failed. It is $GPU_CHECK_REPORT, else $OUT/gpu-check-report.txt where $OUT
@@ -362,7 +361,7 @@ section environment 15 "$PY" "$WORK/check.py" environment
 section equivalence 70 "$PY" "$WORK/check.py" equivalence "$WORK/equivalence" "$DEVICE"
 section "precision and compile" 90 "$PY" "$WORK/check.py" precision "$WORK/precision" "$DEVICE"
 section memory $((RANKS > 1 ? 80 : 45)) "$PY" "$WORK/check.py" memory "$WORK/memory" "$DEVICE" "$RANKS"
-section overhead 70 env CUDA_VISIBLE_DEVICES= "$PY" benchmarks/overhead.py --repeats 3 --epochs 3
+section overhead 70 "$PY" benchmarks/overhead.py --repeats 3 --epochs 3 --nproc 1 --device "$DEVICE"
 if [ "$GPUS" -ge 2 ]; then
   section "two-rank tests" 60 "$PY" -m pytest -p no:cacheprovider -q -x tests/dist/test_equivalence.py
 fi
