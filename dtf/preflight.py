@@ -113,7 +113,7 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
-    _check_sizes(run)
+    run = _check_sizes(run)
     _check_machine(run.trainer)
     _check_stop_signal(run)
     _check_gpus(run)
@@ -152,9 +152,10 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
     return run
 
 
-def _check_sizes(run: RunConfig) -> None:
+def _check_sizes(run: RunConfig) -> RunConfig:
     """The world sizes a run may take keep its global batch (dtf.elastic); where the size is
-    known, the checks below see each rank's batch as the ranks will."""
+    known, the run is returned as its ranks will take it, so that the checks below see each
+    rank's batch."""
     from dtf import elastic
 
     launcher = run.launcher
@@ -174,7 +175,8 @@ def _check_sizes(run: RunConfig) -> None:
             )
     world = expected_world_size(run.launcher)
     if elastic.plan(run, world if dist_env.launched_externally() else None) is not None and world is not None:
-        elastic.apply(run, world)
+        return elastic.apply(run, world)
+    return run
 
 
 def _check_known_keys(node: DictConfig, section: str) -> None:

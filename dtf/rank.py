@@ -118,7 +118,7 @@ def run_rank(
     across_nodes = env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     if across_nodes:
         run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
-    elastic.apply(run, env.world_size)  # a global batch kept on every world size: this size's per-rank batch
+    run = elastic.apply(run, env.world_size)  # a global batch kept on every world size: this size's per-rank batch
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
     if env.is_main and not (rundir.held_by_parent(directory) or run.launcher.name == "spark"):
