@@ -1,10 +1,10 @@
 """A run's config as its components receive it: the sections dtf owns as dataclasses, the parts
 users own as composed.
 
-The composed config travels as an OmegaConf DictConfig (resolved and frozen on the driver, pickled
-to the ranks). Where a rank starts (and on the driver, to check it) it becomes one RunConfig, made
-once and passed down: each dtf section a plain dataclass, built with OmegaConf.to_object, which
-runs the dataclass's own checks (__post_init__).
+On the driver the composed config (an OmegaConf DictConfig, resolved and frozen) becomes one
+RunConfig, once (dtf.preflight.validate): each dtf section a plain dataclass, built with
+OmegaConf.to_object, which runs the dataclass's own checks (__post_init__). That RunConfig is what
+the launchers pickle to the ranks and what every component receives; no rank types it again.
 """
 
 from __future__ import annotations
