@@ -78,7 +78,7 @@ def launch_frozen(run: RunConfig, run_dir: str, rank_fn: WorkerFn = rank_main) -
     with rundir.holding(run_dir) if launch.driver_holds_run_dir(run.launcher) else contextlib.nullcontext():
         # Where checkpoint.resume=auto looks is known only now: a recorded data sequence the world size cannot use.
         check_canonical_partitions(run, Path(run_dir))
-        return launch.build(run).launch(rank_fn, run.composed, run_dir)
+        return launch.build(run).launch(rank_fn, run, run_dir)
 
 
 def report_stop(result: Stopped, run_dir: str) -> NoReturn:

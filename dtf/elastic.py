@@ -15,7 +15,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,17 +90,17 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
         node_range = ("launcher.nodes", str(launcher.nodes))
     else:
         low, high, nproc = 1, 1, int(launcher.nproc)
-    # As configured (a rank's run.data gets its own batch: dtf.elastic.apply)
-    configured = run.composed.data
-    given = configured.get("global_batch_size")
+    # As the user configured them: data.batch_size may be a world size's already (apply).
+    given = run.data.global_batch_size
     if given is None and low == high:
         return None
-    glob = given if given is not None else int(configured.batch_size) * nproc * high * accum
+    glob = given if given is not None else run.configured_batch_size * nproc * high * accum
     why = "data.global_batch_size" if given is not None else f"data.batch_size x {nproc * high} ranks at MAX"
     fits = [n for n in range(low, high + 1) if glob % (n * nproc * accum) == 0]
     partitions = None
     if isinstance(run.data, ParquetDataConfig):
-        setting = configured.get("canonical_partitions", "auto")
+        # auto, or a number: the user's, or (after apply) this plan's own, which plans the same sizes
+        setting = run.data.canonical_partitions
         fixed = int(setting) if setting != "auto" else None
         sizes = [n * nproc for n in fits]
         if fixed is None and sizes:  # every size that fits the batch also divides these partitions
@@ -130,19 +130,25 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
     return Plan(nproc, first, last, glob, accum, partitions, tuple(fits), (low, high))
 
 
-def apply(run: RunConfig, world_size: int) -> None:
-    """In a rank, once the world size is known: each rank's batch and Parquet's partitions by the plan."""
+def apply(run: RunConfig, world_size: int) -> RunConfig:
+    """The run as the ranks of a world size take it, once that size is known (in a rank; on the
+    driver where it knows it): each rank's batch and Parquet's partitions by the plan. run itself
+    is left as it is, and what the user configured stays in the one returned (configured_batch_size),
+    so that it may be applied again, to another size."""
+    from dtf.config.schema import ParquetDataConfig
+
     p = plan(run)
     if p is None or p.global_batch is None:
-        return
+        return run
     if p.global_batch % (world_size * p.accum):
         raise UserError(
             f"the world size {world_size} cannot keep the global batch {p.global_batch} (data.global_batch_size): "
             f"run on {', '.join(map(str, p.world_sizes()))} ranks"
         )
-    run.data.batch_size = p.per_rank_batch(world_size)
-    if p.partitions is not None and p.elastic:  # every size the run may take divides them
-        run.data.canonical_partitions = p.partitions  # type: ignore[union-attr]
+    data = replace(run.data, batch_size=p.per_rank_batch(world_size))
+    if p.partitions is not None and p.elastic and isinstance(data, ParquetDataConfig):
+        data = replace(data, canonical_partitions=p.partitions)  # every size the run may take divides them
+    return replace(run, data=data)
 
 
 def scaling_world_size(run: RunConfig, world_size: int) -> float:
@@ -151,7 +157,7 @@ def scaling_world_size(run: RunConfig, world_size: int) -> float:
     p = plan(run)
     if p is None or p.global_batch is None:
         return world_size
-    return p.global_batch / (int(run.composed.data.batch_size) * p.accum)
+    return p.global_batch / (run.configured_batch_size * p.accum)
 
 
 def rdzv_configs(given: dict[str, Any]) -> dict[str, Any]:

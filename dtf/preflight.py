@@ -113,7 +113,7 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
     for section in ("trainer", "data", "strategy", "launcher", "checkpoint"):
         _check_known_keys(cfg[section], section)
     run = typed(cfg)  # each section checks its own values
-    _check_sizes(run)
+    run = _check_sizes(run)
     _check_machine(run.trainer)
     _check_stop_signal(run)
     _check_gpus(run)
@@ -125,10 +125,10 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
         check_canonical_partitions(run, None)
-    _check_strategy(cfg, run)
+    _check_strategy(run)
     metric_classes = not (starting and isinstance(run.launcher, LocalLauncherConfig))
-    _check_metrics(cfg, run.trainer, classes=metric_classes)
-    _check_performance_switches(cfg, run)
+    _check_metrics(run, classes=metric_classes)
+    _check_performance_switches(run)
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         require(
@@ -137,7 +137,7 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
             lr,
             "give a positive learning rate, e.g. optimizer.lr=1e-3",
         )
-    fn = cfg.trainer.get("fn")
+    fn = run.trainer.fn
     if fn is not None and fn.get("_target_") is None:  # trainer=function as it comes
         raise UserError(
             "trainer.fn._target_ is not set: name your training function, e.g. trainer.fn._target_=mypkg.train "
@@ -148,13 +148,14 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
         if node is not None:
             for path, target_node in targets(node, section):
                 check_target(path, target_node)
-    _check_memory(cfg, run)  # last: it builds the model (on the meta device) from what is checked above
+    _check_memory(run)  # last: it builds the model (on the meta device) from what is checked above
     return run
 
 
-def _check_sizes(run: RunConfig) -> None:
+def _check_sizes(run: RunConfig) -> RunConfig:
     """The world sizes a run may take keep its global batch (dtf.elastic); where the size is
-    known, the checks below see each rank's batch as the ranks will."""
+    known, the run is returned as its ranks will take it, so that the checks below see each
+    rank's batch."""
     from dtf import elastic
 
     launcher = run.launcher
@@ -174,7 +175,8 @@ def _check_sizes(run: RunConfig) -> None:
             )
     world = expected_world_size(run.launcher)
     if elastic.plan(run, world if dist_env.launched_externally() else None) is not None and world is not None:
-        elastic.apply(run, world)
+        return elastic.apply(run, world)
+    return run
 
 
 def _check_known_keys(node: DictConfig, section: str) -> None:
@@ -342,7 +344,7 @@ def expected_world_size(launcher: LauncherConfig) -> int | None:
     return launcher.nproc
 
 
-def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
+def _check_strategy(run: RunConfig) -> None:
     s = run.strategy
     if isinstance(s, MicsStrategyConfig):
         group, world = s.partition_group_size, expected_world_size(run.launcher)
@@ -353,14 +355,14 @@ def _check_strategy(cfg: DictConfig, run: RunConfig) -> None:
             )
     blocks = getattr(s, "block_classes", None)
     if blocks:
-        model = _meta_model(cfg)
+        model = _meta_model(run)
         if model is not None:
             from dtf.strategy.fsdp import find_blocks
 
             find_blocks(model, list(blocks))
 
 
-def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
+def _check_memory(run: RunConfig) -> None:
     """trainer.memory_check here, before any rank starts, where the ranks run on this machine
     (dtf.memory.checked_on_driver): the model is built on the meta device, once."""
     from dtf import memory
@@ -379,7 +381,7 @@ def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
     on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
 
     def built() -> torch.nn.Module:  # as dtf.train.precision.Precision.convert_model has it
-        model = build_model(cfg.model)
+        model = build_model(run.composed.model)
         return model.to(torch.bfloat16) if t.precision == "bf16-true" else model
 
     def shares() -> memory.StateShares:
@@ -389,14 +391,15 @@ def _check_memory(cfg: DictConfig, run: RunConfig) -> None:
 
     device = torch.device("cuda" if on_gpu else "cpu")
     memory.check_before_start(
-        built, shares, instantiate(cfg.optimizer), memory.Node(local_ranks, device), t.memory_check
+        built, shares, instantiate(run.composed.optimizer), memory.Node(local_ranks, device), t.memory_check
     )
 
 
-def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
+def _check_metrics(run: RunConfig, classes: bool) -> None:
     """Each metric a config with a _target_ (with classes: a torchmetrics Metric that fits the
     loss, see check_metric_classes), and an objective that names one."""
-    metrics = cfg.get("metrics")
+    t = run.trainer
+    metrics = run.composed.get("metrics")
     if metrics is None:
         metrics = OmegaConf.create({})
     if not isinstance(metrics, DictConfig):
@@ -414,8 +417,8 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
     if classes:
         from dtf.train.metrics import check_metric_classes
 
-        check_metric_classes(metrics, cfg.get("loss"))
-    if cfg.trainer.get("fn") is not None:
+        check_metric_classes(metrics, run.composed.get("loss"))
+    if t.fn is not None:
         return  # trainer=function: the objective names a value the function returns (checked when it has)
     split, _, value = t.objective.partition("/")
     if t.objective == "auto":
@@ -429,17 +432,18 @@ def _check_metrics(cfg: DictConfig, t: TrainerConfig, classes: bool) -> None:
         )
 
 
-def _meta_model(cfg: DictConfig) -> torch.nn.Module | None:
+def _meta_model(run: RunConfig) -> torch.nn.Module | None:
     """The model built on the meta device (no memory, no init) to check names against it now;
     None when it cannot be built here (the ranks will report why, with its traceback)."""
+    model = run.composed.model
     with torch.device("meta"):
         try:
-            return instantiate(cfg.model) if "_target_" in cfg.model else None
+            return instantiate(model) if "_target_" in model else None
         except Exception:
             return None
 
 
-def _check_performance_switches(cfg: DictConfig, run: RunConfig) -> None:
+def _check_performance_switches(run: RunConfig) -> None:
     """trainer.precision, compile and activation_checkpointing against this machine and this model."""
     t = run.trainer
     on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
@@ -451,7 +455,7 @@ def _check_performance_switches(cfg: DictConfig, run: RunConfig) -> None:
         _check_inductor_can_build(t.compile, on_gpu)
     if not (t.activation_checkpointing or t.compile == "blocks"):
         return
-    model = _meta_model(cfg)
+    model = _meta_model(run)
     if model is None:
         return
     from dtf.strategy.fsdp import find_blocks

@@ -2,10 +2,10 @@
 (dtf.train.loop) or the user's function (dtf.train.function), and return how the run ended, or
 record why it did not.
 
-The config arrives resolved and frozen from the driver and becomes the run's typed config here,
-once (dtf.config.typed); the rank never looks at sys.argv, so multirun jobs and any launcher can
-ship it as it is. This module imports the training stack only inside the rank: the driver, which
-names rank_main, does not pay for importing it.
+The run arrives as the driver resolved, checked, typed and froze it (a dtf.config.typed.RunConfig,
+pickled); the rank never looks at sys.argv nor types the config again, so multirun jobs and any
+launcher can ship it as it is. This module imports the training stack only inside the rank: the
+driver, which names rank_main, does not pay for importing it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from dtf import elastic, failures, rundir
 from dtf.errors import user_error_in
@@ -34,7 +34,7 @@ LOST_PEER_GRACE_S = 1.0  # ten of the agent's polls (launcher.monitor_interval=0
 
 
 def rank_main(
-    cfg: DictConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
+    run: RunConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
 ) -> RunResult | None:
     """Rank 0 returns how the run ended (the others None, or Stopped like rank 0). A failure is
     recorded for the driver (dtf.failures) and ends the rank, a user error with exit status 2 (the
@@ -42,7 +42,7 @@ def rank_main(
     payload: dtf.run_function's function and objects. evaluate: dtf.eval's checkpoint to evaluate
     (instead of training)."""
     try:
-        result = run_rank(cfg, run_dir, payload, evaluate)
+        result = run_rank(run, run_dir, payload, evaluate)
         if multiprocessing.parent_process() is not None:
             _exit_now_on_success()
         return result
@@ -92,14 +92,12 @@ def _exit_now_on_success() -> None:
 
 
 def run_rank(
-    cfg: DictConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
+    run: RunConfig, run_dir: str, payload: bytes | None = None, evaluate: EvalRequest | None = None
 ) -> RunResult | None:
     """One rank's run. Returns Finished on rank 0 and None elsewhere, or Stopped on every rank
     when a stop signal ended the run early."""
-    from dtf.config.typed import typed
     from dtf.dist import env as dist_env
 
-    run = typed(cfg)
     stop_request = prepare_process(run)
     if run.checkpoint.async_save:  # before the group's threads start: forked now, not spawned later
         from dtf.train.checkpoint_writer import start_early
@@ -118,7 +116,7 @@ def run_rank(
     across_nodes = env.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     if across_nodes:
         run = agree_on_config(run, env)  # each node's driver composed one: all run rank 0's
-    elastic.apply(run, env.world_size)  # a global batch kept on every world size: this size's per-rank batch
+    run = elastic.apply(run, env.world_size)  # a global batch kept on every world size: this size's per-rank batch
     # Under an external torchrun every rank composed its own config; rank 0's run dir wins.
     directory = Path(dist_env.broadcast_from_main(run_dir))
     if env.is_main and not (rundir.held_by_parent(directory) or run.launcher.name == "spark"):

@@ -1,10 +1,10 @@
 """A run's config as its components receive it: the sections dtf owns as dataclasses, the parts
 users own as composed.
 
-The composed config travels as an OmegaConf DictConfig (resolved and frozen on the driver, pickled
-to the ranks). Where a rank starts (and on the driver, to check it) it becomes one RunConfig, made
-once and passed down: each dtf section a plain dataclass, built with OmegaConf.to_object, which
-runs the dataclass's own checks (__post_init__).
+On the driver the composed config (an OmegaConf DictConfig, resolved and frozen) becomes one
+RunConfig, once (dtf.preflight.validate): each dtf section a plain dataclass, built with
+OmegaConf.to_object, which runs the dataclass's own checks (__post_init__). That RunConfig is what
+the launchers pickle to the ranks and what every component receives; no rank types it again.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class RunConfig:
     trial: schema.TrialConfig | None
     # The loggers chosen (logger=[tensorboard,mlflow,csv]): name -> its settings, in the order chosen.
     loggers: dict[str, Any]
+    # data.batch_size as the user configured it: the per-rank batch optimizer.lr is given for, and
+    # (without data.global_batch_size) the batch of an elastic run's full size. data.batch_size is
+    # the batch of this world size's ranks, once dtf.elastic.apply has fitted the run to it.
+    configured_batch_size: int
     # The whole config as composed: what users own (model, optimizer, scheduler, loss, metrics) is
     # built from it by _target_ where it is used, and a run's record digests it.
     composed: DictConfig
@@ -61,14 +65,16 @@ class RunConfig:
 
 def typed(cfg: DictConfig) -> RunConfig:
     """cfg as a RunConfig; a bad value is one line naming its key (UserError)."""
+    data = section(cfg, "data", DATA["parquet" if _is_parquet(cfg.data) else "loader"])
     return RunConfig(
         trainer=section(cfg, "trainer", schema.TrainerConfig),
         checkpoint=section(cfg, "checkpoint", schema.CheckpointConfig),
-        data=section(cfg, "data", DATA["parquet" if _is_parquet(cfg.data) else "loader"]),
+        data=data,
         strategy=section(cfg, "strategy", _by_name(cfg.strategy, STRATEGIES, "strategy")),
         launcher=section(cfg, "launcher", _by_name(cfg.launcher, LAUNCHERS, "launcher")),
         trial=section(cfg, "trial", schema.TrialConfig) if cfg.get("trial") is not None else None,
         loggers=loggers(cfg),
+        configured_batch_size=data.batch_size,
         composed=cfg,
     )
 

@@ -9,14 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from dtf.config.schema import CheckpointConfig
+from dtf.config.typed import RunConfig
 from dtf.errors import RankFailedError
 from dtf.results import Finished, RunResult, Stopped
 
-# dtf.rank.rank_main(cfg, run_dir) -> rank 0's result (None on other ranks)
-WorkerFn = Callable[[DictConfig, str], Any]
+# dtf.rank.rank_main(run, run_dir) -> rank 0's result (None on other ranks)
+WorkerFn = Callable[[RunConfig, str], Any]
 
 
 class Launcher(ABC):
@@ -26,10 +25,11 @@ class Launcher(ABC):
         self.checkpoint = checkpoint or CheckpointConfig()
 
     @abstractmethod
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
-        """Run fn(cfg, run_dir) on every rank; return how the run ended (rank 0's result), or raise
-        the error of the rank that failed first (dtf.failures). None: this process is itself a rank
-        other than 0 (started by torchrun or srun), which has nothing to report."""
+    def launch(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
+        """Run fn(run, run_dir) on every rank, with the run as the driver typed and froze it (pickled
+        to the ranks); return how the run ended (rank 0's result), or raise the error of the rank
+        that failed first (dtf.failures). None: this process is itself a rank other than 0 (started
+        by torchrun or srun), which has nothing to report."""
 
 
 def rank_result(result: Any) -> Finished | Stopped:

@@ -41,7 +41,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import elastic, failures
 from dtf.config.schema import LocalLauncherConfig
-from dtf.config.typed import typed
+from dtf.config.typed import RunConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
 from dtf.launch import forkserver_exit, stalls
@@ -54,13 +54,13 @@ from dtf.results import RunResult, Stopped
 class LocalLauncher(Launcher):
     cfg: LocalLauncherConfig
 
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
+    def launch(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
         if dist_env.launched_externally():
             # Started by torchrun (or srun speaking its protocol): this process is a rank already.
-            return in_place_result(fn(cfg, run_dir))
+            return in_place_result(fn(run, run_dir))
         nproc = self.cfg.nproc
         min_nodes, max_nodes = self.cfg.node_range()
-        sizes = elastic.plan(typed(cfg))
+        sizes = elastic.plan(run)
         if sizes is not None and sizes.elastic:  # the node counts that keep the global batch
             min_nodes, max_nodes = sizes.min_nodes, sizes.max_nodes
         nodes = Nodes.of(self.cfg) if max_nodes > 1 else None
@@ -78,7 +78,7 @@ class LocalLauncher(Launcher):
             nproc_per_node=nproc,
             # One node: a fresh id and a free port for every run, so multirun jobs never collide.
             # Several: the nodes of one run meet at the endpoint, under one id (their run
-            # directories may differ: rank 0's is the run's, dtf.worker).
+            # directories may differ: rank 0's is the run's, dtf.rank.run_rank).
             run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
             rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
@@ -110,7 +110,7 @@ class LocalLauncher(Launcher):
         stalls.clear(run_dir)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
-        watch = stalls.StallWatch(run_dir, cfg.trainer.get("stall_timeout_s"), float(cfg.trainer.dist_timeout_s))
+        watch = stalls.StallWatch(run_dir, run.trainer.stall_timeout_s, run.trainer.dist_timeout_s)
         if self.cfg.start_method == "forkserver":
             short_temp_dir()  # the forkserver's socket goes there
         try:
@@ -121,11 +121,11 @@ class LocalLauncher(Launcher):
                 between_nodes(nodes),
                 watch.watching(),
                 ranks_without_main(),
-                preloaded_forkserver(self.cfg.start_method, rank_imports(cfg), stop_signals),
+                preloaded_forkserver(self.cfg.start_method, rank_imports(run.composed), stop_signals),
             ):
                 # (with fn's name: elastic logs it)
                 entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
-                results = elastic_launch(config, entrypoint)(cfg, run_dir)
+                results = elastic_launch(config, entrypoint)(run, run_dir)
         except RendezvousTimeoutError:
             # Too few nodes to meet launcher.nnodes' MIN (the first time, or after losing nodes) in join_timeout.
             newest = newest_checkpoint("", checkpoints)
@@ -203,7 +203,7 @@ def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
 
 
-def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
+def in_own_session(fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
     """A rank starts a session of its own, as torchrun's ranks do (start_new_session=True). Linux's
     autogroup scheduler shares the cores between sessions first: ranks left in the driver's session
     (the terminal's, the test runner's) share one group, and on a busy machine each gets less of a
@@ -228,7 +228,7 @@ def in_own_session(fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | N
         short_temp_dir()
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
-    return fn(cfg, run_dir)
+    return fn(run, run_dir)
 
 
 def _atexit_functions() -> None:
@@ -355,10 +355,11 @@ def ranks_without_main() -> Iterator[None]:
         spawn.get_preparation_data = prepare
 
 
-def rank_imports(cfg: DictConfig) -> list[str]:
+def rank_imports(composed: DictConfig) -> list[str]:
     """What every rank of this run imports before its first step: ~3-5 s of CPU each (torch, the
-    loop, torch._dynamo at the optimizer's first step, torchmetrics when the run has metrics)."""
-    return ["dtf.rank", "dtf.train.loop", "torch._dynamo"] + (["torchmetrics"] if cfg.get("metrics") else [])
+    loop, torch._dynamo at the optimizer's first step, torchmetrics when the run has metrics).
+    composed: the run's config as composed (RunConfig.composed), where its metrics are."""
+    return ["dtf.rank", "dtf.train.loop", "torch._dynamo"] + (["torchmetrics"] if composed.get("metrics") else [])
 
 
 # Signals a forkserver outlives: SLURM and a `kill` of the whole job send them to every process, and

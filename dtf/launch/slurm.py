@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 
 from dtf import elastic, failures, hydra_sweep
 from dtf.config.schema import CheckpointConfig, LocalLauncherConfig, SlurmLauncherConfig
-from dtf.config.typed import typed
+from dtf.config.typed import RunConfig
 from dtf.errors import RankFailedError, TooFewNodes, UserError
 from dtf.launch.base import Launcher, LogTail, WorkerFn, in_place_result, rank_result
 from dtf.results import EXIT_STOPPED, Finished, RunResult, Stopped, Submitted
@@ -63,14 +63,14 @@ def inside_allocation() -> bool:
 class SlurmRank:
     """What every task of the job runs (pickled by submitit): join the group, train, report."""
 
-    def __init__(self, fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> None:
-        self.fn, self.cfg, self.run_dir, self.requeue = fn, cfg, run_dir, requeue
+    def __init__(self, fn: WorkerFn, run: RunConfig, run_dir: str, requeue: bool) -> None:
+        self.fn, self.run, self.run_dir, self.requeue = fn, run, run_dir, requeue
 
     def __call__(self) -> RunResult | None:
-        return run_as_task(self.fn, self.cfg, self.run_dir, requeue=self.requeue)
+        return run_as_task(self.fn, self.run, self.run_dir, requeue=self.requeue)
 
 
-def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> RunResult | None:
+def run_as_task(fn: WorkerFn, run: RunConfig, run_dir: str, requeue: bool) -> RunResult | None:
     """One SLURM task = one rank, in this process."""
     import submitit
 
@@ -78,7 +78,7 @@ def run_as_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, requeue: bool) -> R
     dist = submitit.helpers.TorchDistributedEnvironment()
     # GPUs: SLURM's --gpus-per-task (or the local rank) picks the device, not CUDA_VISIBLE_DEVICES.
     dist.export(set_cuda_visible_devices=False, overwrite=True)
-    result = fn(cfg, run_dir)  # a failure is recorded for the driver (dtf.failures) and ends the task
+    result = fn(run, run_dir)  # a failure is recorded for the driver (dtf.failures) and ends the task
     if requeue and isinstance(result, Stopped):
         if dist.rank == 0:
             # As submitit does on preemption; the requeued job finds the checkpoint in the same run dir.
@@ -93,12 +93,12 @@ class SlurmNode:
     """What every task of an elastic job runs (one task per node, pickled by submitit)."""
 
     def __init__(
-        self, fn: WorkerFn, cfg: DictConfig, run_dir: str, launcher: SlurmLauncherConfig, checkpoint: CheckpointConfig
+        self, fn: WorkerFn, run: RunConfig, run_dir: str, launcher: SlurmLauncherConfig, checkpoint: CheckpointConfig
     ) -> None:
-        self.fn, self.cfg, self.run_dir, self.launcher, self.checkpoint = fn, cfg, run_dir, launcher, checkpoint
+        self.fn, self.run, self.run_dir, self.launcher, self.checkpoint = fn, run, run_dir, launcher, checkpoint
 
     def __call__(self) -> RunResult | NodeFailed | None:
-        return run_as_node(self.fn, self.cfg, self.run_dir, self.launcher, self.checkpoint)
+        return run_as_node(self.fn, self.run, self.run_dir, self.launcher, self.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class NodeFailed:
 
 
 def run_as_node(
-    fn: WorkerFn, cfg: DictConfig, run_dir: str, c: SlurmLauncherConfig, checkpoint: CheckpointConfig
+    fn: WorkerFn, run: RunConfig, run_dir: str, c: SlurmLauncherConfig, checkpoint: CheckpointConfig
 ) -> RunResult | NodeFailed | None:
     """One node of an elastic job: torch's elastic agent with this node's ranks (launcher=local's
     engine), meeting the agents of the job's other nodes at its first node. Rank 0's node returns
@@ -132,7 +132,7 @@ def run_as_node(
     )
     job = os.environ["SLURM_JOB_ID"]
     try:
-        result = LocalLauncher(node, checkpoint).launch(fn, cfg, run_dir)
+        result = LocalLauncher(node, checkpoint).launch(fn, run, run_dir)
     except TooFewNodes:
         newest = newest_checkpoint("", Path(run_dir) / checkpoint.dir)
         kept = f"its newest checkpoint, step {newest.step}, is intact" if newest.checkpoint else "it has no checkpoint"
@@ -171,13 +171,13 @@ def srun_task_main() -> None:
     from submitit.core.utils import cloudpickle_dump, pickle_load, temporary_save_path
 
     task_file = Path(sys.argv[1])
-    fn, cfg, run_dir = pickle_load(task_file)
+    fn, run, run_dir = pickle_load(task_file)
     rank = int(os.environ["SLURM_PROCID"])
     os.environ.setdefault("MASTER_PORT", str(step_port()))
     result_file = task_file.parent / STEP_RESULT_FILE.format(rank=rank)
 
     try:
-        result = run_as_task(fn, cfg, run_dir, requeue=False)
+        result = run_as_task(fn, run, run_dir, requeue=False)
     except Exception:
         # Recorded already (dtf.failures); the driver prints it once. This task's output is the
         # terminal's, so no second traceback here: a non-zero exit, and srun ends the other tasks.
@@ -189,7 +189,7 @@ def srun_task_main() -> None:
 class SlurmLauncher(Launcher):
     cfg: SlurmLauncherConfig
 
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult | None:
+    def launch(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
         if self.cfg.elastic and inside_allocation():
             raise UserError(
                 f"launcher.nodes={self.cfg.nodes}: an elastic job is one sbatch job whose nodes each run torch's "
@@ -197,13 +197,13 @@ class SlurmLauncher(Launcher):
                 "launcher=local launcher.nnodes=MIN:MAX on every node: srun --no-kill --ntasks-per-node=1 ...)"
             )
         if inside_srun_task():  # the user's srun owns the job; this process is a rank
-            return in_place_result(run_as_task(fn, cfg, run_dir, requeue=False))
+            return in_place_result(run_as_task(fn, run, run_dir, requeue=False))
         failures.clear(run_dir)
         if inside_allocation():
-            return self._srun_in_allocation(fn, cfg, run_dir)
-        return self._submit(fn, cfg, run_dir)
+            return self._srun_in_allocation(fn, run, run_dir)
+        return self._submit(fn, run, run_dir)
 
-    def _srun_in_allocation(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+    def _srun_in_allocation(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult:
         """The ranks as one srun step of the allocation this driver runs in. They get the config
         as it was resolved here (pickled in the run dir), never this process's command line."""
         from submitit.core.utils import cloudpickle_dump
@@ -215,7 +215,7 @@ class SlurmLauncher(Launcher):
         for rank in range(tasks):  # an earlier run in this run dir (a resumed one) left its own
             (folder / STEP_RESULT_FILE.format(rank=rank)).unlink(missing_ok=True)
         task_file = folder / STEP_TASK_FILE
-        cloudpickle_dump((fn, cfg, run_dir), task_file)
+        cloudpickle_dump((fn, run, run_dir), task_file)
         cmd = [
             "srun",
             f"--nodes={c.nodes}",
@@ -271,7 +271,7 @@ class SlurmLauncher(Launcher):
         )
         return executor
 
-    def _submit(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+    def _submit(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult:
         import submitit
 
         if not self.cfg.wait and hydra_sweep.wants_values():
@@ -282,12 +282,12 @@ class SlurmLauncher(Launcher):
         logging.getLogger("submitit").setLevel(logging.ERROR)  # dtf reports the job's progress itself
         nodes = self.cfg.nodes
         if self.cfg.elastic:  # the most nodes that keep the global batch (dtf.elastic)
-            plan = elastic.plan(typed(cfg))
+            plan = elastic.plan(run)
             nodes = plan.max_nodes if plan is not None else self.cfg.node_range()[1]
         executor = self._executor(run_dir, nodes)
         try:
-            task = SlurmNode(fn, cfg, run_dir, self.cfg, self.checkpoint) if self.cfg.elastic else None
-            job = executor.submit(task or SlurmRank(fn, cfg, run_dir, self.cfg.requeue))
+            task = SlurmNode(fn, run, run_dir, self.cfg, self.checkpoint) if self.cfg.elastic else None
+            job = executor.submit(task or SlurmRank(fn, run, run_dir, self.cfg.requeue))
         except submitit.core.utils.FailedJobError as e:  # sbatch refused it: its own words, one line
             reason = " ".join(str(e).split("\n")[-3:]).strip()
             raise UserError(f"launcher=slurm: sbatch refused the job: {reason}") from None

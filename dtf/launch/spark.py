@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig
-
 from dtf import failures
 from dtf.config.schema import SparkLauncherConfig
+from dtf.config.typed import RunConfig
 from dtf.errors import RankFailedError, UserError
 from dtf.launch.base import Launcher, LogTail, WorkerFn, rank_result
 from dtf.machine import require_java
@@ -64,7 +63,7 @@ def _output_to(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
-def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[Any]) -> Iterator[Any]:
+def run_barrier_task(fn: WorkerFn, run: RunConfig, run_dir: str, _: Iterator[Any]) -> Iterator[Any]:
     """One barrier task = one rank."""
     from pyspark import BarrierTaskContext
 
@@ -86,7 +85,7 @@ def run_barrier_task(fn: WorkerFn, cfg: DictConfig, run_dir: str, _: Iterator[An
         for key, value in _interface_env(hosts[0]).items():
             os.environ.setdefault(key, value)
     with _output_to(_log_path(run_dir, rank)):
-        result = fn(cfg, run_dir)  # a failure is recorded (dtf.failures) and fails the task, so Spark ends the stage
+        result = fn(run, run_dir)  # a failure is recorded (dtf.failures) and fails the task, so Spark ends the stage
     if rank == 0:
         yield result
 
@@ -118,7 +117,7 @@ def _check_master_reachable(master: str) -> None:
 class SparkLauncher(Launcher):
     cfg: SparkLauncherConfig
 
-    def launch(self, fn: WorkerFn, cfg: DictConfig, run_dir: str) -> RunResult:
+    def launch(self, fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult:
         c = self.cfg
         require_java("launcher=spark")
         spark = _active_session(c.master)
@@ -133,7 +132,7 @@ class SparkLauncher(Launcher):
         tail = threading.Thread(target=LogTail(_log_path(run_dir, 0)).follow, args=(stop_tail,), daemon=True)
         tail.start()
         try:
-            results = rdd.mapPartitions(lambda it: run_barrier_task(fn, cfg, run_dir, it)).collect()
+            results = rdd.mapPartitions(lambda it: run_barrier_task(fn, run, run_dir, it)).collect()
         except Exception as e:  # py4j's Java error, holding the failed rank's Python traceback
             raise _failure(e, run_dir) from None
         finally:

@@ -15,6 +15,7 @@ from dtf.config.typed import RunConfig, typed
 from dtf.data.parquet.plan import partitions_problem
 from dtf.errors import UserError
 from dtf.preflight import validate
+from dtf.testing import compose as compose_dtf
 
 
 def run_of(*overrides: str) -> RunConfig:
@@ -48,13 +49,33 @@ def test_an_elastic_slurm_job_takes_the_sizes_of_its_nodes_times_their_tasks() -
 
 
 def test_the_lr_is_scaled_as_for_the_configured_batch_on_every_size() -> None:
-    run = run_of(*ACROSS, "launcher.nproc=1", "launcher.nnodes=1:2", "data.global_batch_size=64")
+    configured = run_of(*ACROSS, "launcher.nproc=1", "launcher.nnodes=1:2", "data.global_batch_size=64")
     factors = set()
-    for world in (1, 2):
-        elastic.apply(run, world)
-        assert run.data.batch_size * world == 64
+    for world in (1, 2, 1):  # and back: a world size's run keeps what the user configured
+        run = elastic.apply(configured, world)
+        assert run.data.batch_size * world == 64 and run.configured_batch_size == 32
         factors.add(elastic.scaling_world_size(run, world))
+        assert elastic.apply(run, 2).data.batch_size == 32  # applied again (a rank, after the driver)
     assert factors == {2.0}  # 64 / data.batch_size 32, as a 2-rank run without a global batch scales
+
+
+def test_a_world_sizes_batch_leaves_the_configured_run_as_it_was() -> None:
+    run = run_of(*ACROSS, "launcher.nproc=1", "launcher.nnodes=1:2")  # MAX's global batch: 32 x 2
+    sized = elastic.apply(run, 1)
+    assert (sized.data.batch_size, sized.configured_batch_size) == (64, 32)
+    assert (run.data.batch_size, run.configured_batch_size) == (32, 32)  # not changed under the caller
+    assert elastic.plan(sized) == elastic.plan(run)  # the same plan, from what the user configured
+    assert elastic.scaling_world_size(sized, 1) == 2.0
+
+
+def test_a_data_option_of_ones_own_gets_the_schemas_batch(tmp_path: Path) -> None:
+    # An option that does not extend dtf's schema gets its defaults when typed (data.batch_size 32):
+    # the plan reads the typed config, not the option as composed (which has no batch_size).
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "own.yaml").write_text("kind: loader\ndataset:\n  _target_: dtf.data.datasets.digits\n")
+    cfg = compose_dtf("data=own", *ACROSS, "launcher.nnodes=1:2", config_dir=tmp_path)
+    p = elastic.plan(validate(cfg))
+    assert p is not None and p.global_batch == 32 * 2 * 2 and p.world_sizes() == [2, 4]
 
 
 def test_parquet_partitions_fit_every_admitted_size() -> None:
@@ -67,8 +88,9 @@ def test_parquet_partitions_fit_every_admitted_size() -> None:
     for world in p.world_sizes():
         assert partitions_problem(p.partitions, world, 96) is None
     assert p.partitions == math.gcd(96, math.lcm(24, 2, 4, 6, 8))
-    elastic.apply(run, 6)
-    assert run.data.batch_size == 16 and run.data.canonical_partitions == p.partitions
+    sized = elastic.apply(run, 6)
+    assert sized.data.batch_size == 16 and sized.data.canonical_partitions == p.partitions
+    assert elastic.plan(sized) == p and run.data.canonical_partitions == "auto"
 
 
 @pytest.mark.parametrize(
