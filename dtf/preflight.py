@@ -357,7 +357,7 @@ def _check_strategy(run: RunConfig) -> None:
     if blocks:
         model = _meta_model(run)
         if model is not None:
-            from dtf.strategy.fsdp import find_blocks
+            from dtf.models.blocks import find_blocks
 
             find_blocks(model, list(blocks))
 
@@ -458,7 +458,7 @@ def _check_performance_switches(run: RunConfig) -> None:
     model = _meta_model(run)
     if model is None:
         return
-    from dtf.strategy.fsdp import find_blocks
+    from dtf.models.blocks import find_blocks
     from dtf.train.blocks import compile_targets
 
     if t.activation_checkpointing:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.memory import OptimizerFactory, StateShares
-from dtf.models.blocks import find_blocks  # importable from here too, where it lived before
+from dtf.models.blocks import find_blocks
 from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
 
 

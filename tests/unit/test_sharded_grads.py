@@ -10,8 +10,9 @@ from torch import nn
 
 from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig, MicsStrategyConfig
 from dtf.dist.env import DistEnv
+from dtf.models.blocks import find_blocks
 from dtf.strategy.ddp import DDPStrategy
-from dtf.strategy.fsdp import FSDPStrategy, find_blocks
+from dtf.strategy.fsdp import FSDPStrategy
 from dtf.strategy.mics import MicsStrategy
 from tests.helpers.gloo import run_on_ranks
 
