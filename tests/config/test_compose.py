@@ -3,7 +3,6 @@ with a message that names the key."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtf.errors import UserError
 from dtf.models import build_model
 from dtf.preflight import validate
+from tests.helpers.run_command import dtf_command, run_command
 
 CONF = Path(__file__).parents[2] / "conf"  # the config tree, at the top of the repository
 DOCS = Path(__file__).parents[2] / "docs"
@@ -180,16 +180,14 @@ print(OmegaConf.to_yaml(cfg), end="")
 """
 
 
-def _python(*args: str, cwd: Path) -> str:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _fresh_compose(config_dir: str, name: str, *overrides: str, cwd: Path) -> str:
+    return run_command([sys.executable, "-c", FRESH_COMPOSE, config_dir, name, *overrides], timeout=120, cwd=cwd).stdout
 
 
 def test_hydras_compose_api_in_a_fresh_interpreter_gives_the_command_lines_config(tmp_path: Path) -> None:
     overrides = ["strategy=zero", "launcher.nproc=4"]
-    composed = _python("-c", FRESH_COMPOSE, "-", "config", *overrides, cwd=tmp_path)
-    printed = _python("-m", "dtf", *overrides, "--cfg", "job", cwd=tmp_path)
+    composed = _fresh_compose("-", "config", *overrides, cwd=tmp_path)
+    printed = run_command(dtf_command(*overrides, "--cfg", "job"), timeout=120, cwd=tmp_path).stdout
     assert composed == printed
     assert "name: zero" in composed and "nproc: 4" in composed
 
@@ -202,8 +200,10 @@ def test_a_users_tree_that_puts_dtfs_on_its_search_path_composes_in_a_fresh_inte
     (conf / "train.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath:\n    - pkg://dtf.conf\n")
     (conf / "model" / "my_mlp.yaml").write_text("_target_: my_models.MyMLP\nhidden: 16\n")
     overrides = ["model=my_mlp", "strategy=zero", "launcher.nproc=4"]
-    composed = _python("-c", FRESH_COMPOSE, str(conf), "train", *overrides, cwd=tmp_path)
-    printed = _python("-m", "dtf", "--config-dir", str(conf), *overrides, "--cfg", "job", cwd=tmp_path)
+    composed = _fresh_compose(str(conf), "train", *overrides, cwd=tmp_path)
+    printed = run_command(
+        dtf_command("--config-dir", conf, *overrides, "--cfg", "job"), timeout=120, cwd=tmp_path
+    ).stdout
     assert composed == printed
     assert "_target_: my_models.MyMLP" in composed and "name: zero" in composed
 
@@ -215,14 +215,7 @@ def test_dtf_validate_raises_the_command_lines_one_line(tmp_path: Path) -> None:
     cfg = make(*overrides)
     with pytest.raises(dtf.UserError) as err:
         dtf.validate(cfg)
-    cli = subprocess.run(
-        [sys.executable, "-m", "dtf", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert cli.returncode == 2, cli.stderr[-3000:]
+    cli = run_command(dtf_command(*overrides, f"hydra.run.dir={tmp_path / 'run'}"), expect=2, timeout=120, cwd=tmp_path)
     assert cli.stderr.strip() == f"dtf: error: {err.value}"
     assert "\n" not in str(err.value)
 

@@ -96,28 +96,12 @@ def test_prepare_writes_parquet_that_trains_like_the_in_memory_data(
     # the printed command trains as it is (the digits need the CNN experiment that reads them)
     command = next(line for line in out.splitlines() if line.startswith("train on it: ")).removeprefix("train on it: ")
     import shlex
-    import subprocess
-    import sys
 
-    from tests.conftest import TEST_DEFAULTS, dtf_env
+    from tests.helpers.run_command import run_dtf
 
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "dtf"]
-    run = subprocess.run(
-        [
-            sys.executable,
-            *argv[1:],
-            *TEST_DEFAULTS,
-            "trainer.max_steps=2",
-            "launcher.nproc=1",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dtf_env(),
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_dtf([*argv[3:], "trainer.max_steps=2", "launcher.nproc=1"], tmp_path / "run")
     train = tmp_path / "digits" / "parquet" / "train" / "part-00000.parquet"
     meta = pq.ParquetFile(train).metadata
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
