@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,14 @@ def dtf(tmp_path: Path):  # type: ignore[no-untyped-def]
         return run_dtf(list(args), tmp_path / f"run{next(counter)}", **kw)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def composed() -> Any:
+    """composed(*overrides): compose_config's config of them, composed once per session (read-only)."""
+    from tests.helpers.inprocess import compose_config
+
+    return functools.cache(lambda *overrides: compose_config(list(overrides)))
 
 
 # A short 2-rank DDP run: the launcher tests (SLURM, Spark) compare their result with it.
