@@ -1,62 +1,18 @@
-"""Shared helpers: run `python -m dtf` as a user would, in a temporary run directory."""
+"""Fixtures that run `python -m dtf` as a user would (tests/helpers/run_command.py), in a temporary run directory."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import functools
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers.run_command import HELPERS, DtfRun, run_dtf
+from tests.helpers.run_command import dtf_env as dtf_env  # for the files that import it from here
+
 REPO = Path(__file__).resolve().parents[1]
-HELPERS = Path(__file__).resolve().parent / "helpers"
-
-# Short collectives in tests: a hang fails in seconds, not in 30 minutes.
-TEST_DEFAULTS = ["trainer.dist_timeout_s=60", "trainer.progress=lines"]
-
-
-@dataclass
-class DtfRun:
-    returncode: int
-    stdout: str
-    stderr: str
-    run_dir: Path
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / "summary.json").read_text())
-
-
-def dtf_env(extra_pythonpath: list[Path] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(p) for p in (extra_pythonpath or [])] + [str(HELPERS)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.pop("RANK", None)  # never inherit a rank from an outer launcher
-    return env
-
-
-def run_dtf(
-    args: list[str],
-    run_dir: Path,
-    *,
-    timeout: float = 240,
-    extra_pythonpath: list[Path] | None = None,
-    multirun: bool = False,
-    prefix: list[str] | None = None,
-) -> DtfRun:
-    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    cmd = (prefix or [sys.executable, "-m", "dtf"]) + (["-m"] if multirun else []) + TEST_DEFAULTS + args
-    cmd.append(f"{dir_key}={run_dir}")
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent, env=dtf_env(extra_pythonpath)
-    )
-    return DtfRun(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
 @pytest.fixture
@@ -70,6 +26,14 @@ def dtf(tmp_path: Path):  # type: ignore[no-untyped-def]
     return _run
 
 
+@pytest.fixture(scope="session")
+def composed() -> Any:
+    """composed(*overrides): compose_config's config of them, composed once per session (read-only)."""
+    from tests.helpers.inprocess import compose_config
+
+    return functools.cache(lambda *overrides: compose_config(list(overrides)))
+
+
 # A short 2-rank DDP run: the launcher tests (SLURM, Spark) compare their result with it.
 SHORT_RUN = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.dataset.num_test=200"]
 
@@ -77,9 +41,7 @@ SHORT_RUN = ["trainer.max_steps=30", "data.dataset.num_points=2000", "data.datas
 @pytest.fixture(scope="session")
 def short_local_run(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     """SHORT_RUN with launcher=local, run once per session."""
-    run = run_dtf(SHORT_RUN, tmp_path_factory.mktemp("short_local") / "run")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return run_dtf(SHORT_RUN, tmp_path_factory.mktemp("short_local") / "run")
 
 
 # Files whose tests start and stop the one local SLURM cluster, Spark cluster or namespace hosts

@@ -3,20 +3,20 @@ with a message that names the key."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from dtf.errors import UserError
 from dtf.models import build_model
 from dtf.preflight import validate
+from tests.helpers.inprocess import compose
+from tests.helpers.run_command import dtf_command, run_command
 
 CONF = Path(__file__).parents[2] / "conf"  # the config tree, at the top of the repository
 DOCS = Path(__file__).parents[2] / "docs"
@@ -28,14 +28,9 @@ def options(group: str) -> list[str]:
     return found
 
 
-def make(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 @pytest.mark.parametrize("name", options("model"))
 def test_every_model_builds_and_runs_forward(name: str) -> None:
-    cfg = make(f"model={name}")
+    cfg = compose(f"model={name}")
     validate(cfg)
     m = cfg.model
     # the big ViTs on the meta device: shapes, no memory
@@ -52,18 +47,18 @@ def test_every_model_builds_and_runs_forward(name: str) -> None:
 # tests/unit/test_parquet_config.py covers it.
 @pytest.mark.parametrize("name", [n for n in options("data") if n not in ("parquet", "petastorm")])
 def test_every_data_option_builds_train_and_test(name: str) -> None:
-    cfg = make(f"data={name}")
+    cfg = compose(f"data={name}")
     validate(cfg)
     train, test = instantiate(cfg.data.dataset)
     assert len(train) > len(test) > 0
     x, _ = train[0]
-    model = build_model(make("model=approximator" if name == "scalar_field" else "model=mnist_cnn").model)
+    model = build_model(compose("model=approximator" if name == "scalar_field" else "model=mnist_cnn").model)
     assert model(x.unsqueeze(0)).shape[0] == 1
 
 
 @pytest.mark.parametrize("name", options("optimizer"))
 def test_every_optimizer_builds_from_parameters(name: str) -> None:
-    cfg = make(f"optimizer={name}")
+    cfg = compose(f"optimizer={name}")
     validate(cfg)
     opt = instantiate(cfg.optimizer)(torch.nn.Linear(2, 1).parameters())
     assert isinstance(opt, torch.optim.Optimizer)
@@ -74,7 +69,7 @@ def test_every_optimizer_builds_from_parameters(name: str) -> None:
 def test_every_scheduler_builds(name: str) -> None:
     from dtf.train.schedule import build_scheduler
 
-    cfg = make(f"scheduler={name}")
+    cfg = compose(f"scheduler={name}")
     validate(cfg)
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     factory = instantiate(cfg.scheduler) if cfg.scheduler else None
@@ -88,7 +83,7 @@ def test_every_scheduler_builds(name: str) -> None:
 
 @pytest.mark.parametrize("name", options("loss"))
 def test_every_loss_builds(name: str) -> None:
-    cfg = make(f"loss={name}")
+    cfg = compose(f"loss={name}")
     assert isinstance(instantiate(cfg.loss), torch.nn.Module)
 
 
@@ -98,19 +93,19 @@ def test_every_option_of_dtf_owned_groups_composes_and_validates(group: str) -> 
     needs = {"trainer=function": ["trainer.fn._target_=maggy_function.train"]}  # tests/helpers
     for name in options(group):
         prefix = "+" if group == "experiment" else ""
-        validate(make(f"{prefix}{group}={name}", *needs.get(f"{group}={name}", [])))
+        validate(compose(f"{prefix}{group}={name}", *needs.get(f"{group}={name}", [])))
 
 
 def test_overrides_land_where_expected() -> None:
-    cfg = make("launcher.nproc=1", "optimizer.lr=3e-3", "trainer.max_epochs=3", "data.batch_size=128")
+    cfg = compose("launcher.nproc=1", "optimizer.lr=3e-3", "trainer.max_epochs=3", "data.batch_size=128")
     assert (cfg.launcher.nproc, cfg.optimizer.lr, cfg.trainer.max_epochs, cfg.data.batch_size) == (1, 3e-3, 3, 128)
-    cnn = make("+experiment=digits_cnn")
+    cnn = compose("+experiment=digits_cnn")
     assert cnn.model._target_.endswith("MnistCNN") and cnn.loss._target_ == "torch.nn.NLLLoss"
     assert cnn.data.dataset._target_.endswith("digits")
 
 
 def test_user_target_swaps_in_without_changing_dtf() -> None:
-    cfg = make("model._target_=wide.Wide", "model.hidden=8")  # tests/helpers/wide.py, outside dtf
+    cfg = compose("model._target_=wide.Wide", "model.hidden=8")  # tests/helpers/wide.py, outside dtf
     validate(cfg)
     assert type(build_model(cfg.model)).__name__ == "Wide"
 
@@ -126,7 +121,7 @@ def test_user_target_swaps_in_without_changing_dtf() -> None:
 )
 def test_composition_errors_name_the_key(override: str, names: list[str]) -> None:
     with pytest.raises(ConfigCompositionException) as err:
-        make(override)
+        compose(override)
     text = str(err.value) + str(err.value.__cause__ or "")
     for name in names:
         assert name in text
@@ -155,7 +150,7 @@ def test_composition_errors_name_the_key(override: str, names: list[str]) -> Non
 )
 def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
     with pytest.raises(UserError) as err:
-        validate(make(*overrides))
+        validate(compose(*overrides))
     message = str(err.value)
     assert message.startswith(key) and "\n" not in message
 
@@ -180,16 +175,14 @@ print(OmegaConf.to_yaml(cfg), end="")
 """
 
 
-def _python(*args: str, cwd: Path) -> str:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _fresh_compose(config_dir: str, name: str, *overrides: str, cwd: Path) -> str:
+    return run_command([sys.executable, "-c", FRESH_COMPOSE, config_dir, name, *overrides], timeout=120, cwd=cwd).stdout
 
 
 def test_hydras_compose_api_in_a_fresh_interpreter_gives_the_command_lines_config(tmp_path: Path) -> None:
     overrides = ["strategy=zero", "launcher.nproc=4"]
-    composed = _python("-c", FRESH_COMPOSE, "-", "config", *overrides, cwd=tmp_path)
-    printed = _python("-m", "dtf", *overrides, "--cfg", "job", cwd=tmp_path)
+    composed = _fresh_compose("-", "config", *overrides, cwd=tmp_path)
+    printed = run_command(dtf_command(*overrides, "--cfg", "job"), timeout=120, cwd=tmp_path).stdout
     assert composed == printed
     assert "name: zero" in composed and "nproc: 4" in composed
 
@@ -202,8 +195,10 @@ def test_a_users_tree_that_puts_dtfs_on_its_search_path_composes_in_a_fresh_inte
     (conf / "train.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath:\n    - pkg://dtf.conf\n")
     (conf / "model" / "my_mlp.yaml").write_text("_target_: my_models.MyMLP\nhidden: 16\n")
     overrides = ["model=my_mlp", "strategy=zero", "launcher.nproc=4"]
-    composed = _python("-c", FRESH_COMPOSE, str(conf), "train", *overrides, cwd=tmp_path)
-    printed = _python("-m", "dtf", "--config-dir", str(conf), *overrides, "--cfg", "job", cwd=tmp_path)
+    composed = _fresh_compose(str(conf), "train", *overrides, cwd=tmp_path)
+    printed = run_command(
+        dtf_command("--config-dir", conf, *overrides, "--cfg", "job"), timeout=120, cwd=tmp_path
+    ).stdout
     assert composed == printed
     assert "_target_: my_models.MyMLP" in composed and "name: zero" in composed
 
@@ -212,17 +207,10 @@ def test_dtf_validate_raises_the_command_lines_one_line(tmp_path: Path) -> None:
     import dtf
 
     overrides = ["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"]
-    cfg = make(*overrides)
+    cfg = compose(*overrides)
     with pytest.raises(dtf.UserError) as err:
         dtf.validate(cfg)
-    cli = subprocess.run(
-        [sys.executable, "-m", "dtf", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert cli.returncode == 2, cli.stderr[-3000:]
+    cli = run_command(dtf_command(*overrides, f"hydra.run.dir={tmp_path / 'run'}"), expect=2, timeout=120, cwd=tmp_path)
     assert cli.stderr.strip() == f"dtf: error: {err.value}"
     assert "\n" not in str(err.value)
 
@@ -230,21 +218,21 @@ def test_dtf_validate_raises_the_command_lines_one_line(tmp_path: Path) -> None:
 def test_dtf_validate_returns_the_typed_sections_and_leaves_the_config_as_composed() -> None:
     import dtf
 
-    cfg = make("strategy=zero", "launcher.nproc=4")
+    cfg = compose("strategy=zero", "launcher.nproc=4")
     sections = dtf.validate(cfg)
     assert sections.launcher.nproc == 4 and sections.strategy.stage == 1
-    assert cfg == make("strategy=zero", "launcher.nproc=4") and not OmegaConf.is_readonly(cfg)
+    assert cfg == compose("strategy=zero", "launcher.nproc=4") and not OmegaConf.is_readonly(cfg)
 
 
 def test_partition_size_error_lists_the_valid_sizes() -> None:
     with pytest.raises(UserError, match=r"does not divide the world size 4: use one of 1, 2, 4"):
-        validate(make("strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"))
+        validate(compose("strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"))
 
 
 def test_block_class_error_lists_the_model_classes() -> None:
     with pytest.raises(UserError, match=r"no module of class NoSuchBlock in the model; its classes are: .*Conv2d"):
-        validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[NoSuchBlock]"))
-    validate(make("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[Conv2d,Linear]"))
+        validate(compose("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[NoSuchBlock]"))
+    validate(compose("strategy=fsdp", "model=mnist_cnn", "strategy.block_classes=[Conv2d,Linear]"))
 
 
 @pytest.mark.parametrize(
@@ -261,9 +249,9 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match=rf"^{key}.*GPU") as e:
-        validate(make(*overrides))
+        validate(compose(*overrides))
     assert "\n" not in str(e.value)
-    validate(make(*overrides, "trainer.device=cpu"))  # on the CPU there is no such limit
+    validate(compose(*overrides, "trainer.device=cpu"))  # on the CPU there is no such limit
 
 
 def test_deterministic_runs_set_what_cublas_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,7 +300,7 @@ def test_the_checkpoints_pages_resume_example_names_a_checkpoint_the_default_job
     import math
     import re
 
-    cfg = make()
+    cfg = compose()
     train = cfg.data.dataset.num_points - cfg.data.dataset.num_test
     steps = cfg.trainer.max_epochs * math.ceil(train / (cfg.launcher.nproc * cfg.data.batch_size))
     every, keep = cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last

@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
 
 from dtf.errors import UserError
 from dtf.preflight import validate
-
-
-def make(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+from tests.helpers.inprocess import compose
 
 
 def refusal(*overrides: str) -> str:
     with pytest.raises(UserError) as err:
-        validate(make(*overrides))
+        validate(compose(*overrides))
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -63,17 +57,17 @@ def test_a_switch_that_cannot_work_is_one_line_naming_the_key_and_the_fix(
 
 def test_switches_that_work_pass() -> None:
     validate(
-        make("trainer.precision=bf16-mixed", "trainer.compile=blocks", "trainer.activation_checkpointing=[Linear]")
+        compose("trainer.precision=bf16-mixed", "trainer.compile=blocks", "trainer.activation_checkpointing=[Linear]")
     )
-    validate(make("strategy=fsdp", "strategy.activation_checkpointing=false", "trainer.precision=32"))
-    validate(make("model=mnist_cnn", "strategy=fsdp", "trainer.activation_checkpointing=[Conv2d,Linear]"))
+    validate(compose("strategy=fsdp", "strategy.activation_checkpointing=false", "trainer.precision=32"))
+    validate(compose("model=mnist_cnn", "strategy=fsdp", "trainer.activation_checkpointing=[Conv2d,Linear]"))
 
 
 def test_compile_without_a_cpp_compiler_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # inductor builds its CPU kernels with $CXX
     message = refusal("trainer.compile=true")
     assert message.startswith("trainer.compile=true needs a C++ compiler") and "trainer.compile=false" in message
-    validate(make("trainer.compile=false"))  # eager needs none
+    validate(compose("trainer.compile=false"))  # eager needs none
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,4 +77,4 @@ def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     message = refusal("trainer.precision=bf16-mixed")
     assert message.startswith("trainer.precision=bf16-mixed") and "fp16-mixed" in message
-    validate(make("trainer.precision=bf16-mixed", "trainer.device=cpu"))  # bf16 autocast works on any CPU
+    validate(compose("trainer.precision=bf16-mixed", "trainer.device=cpu"))  # bf16 autocast works on any CPU

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import run_dtf
 from tests.helpers.inprocess import train_on_ranks
+from tests.helpers.run_command import run_dtf
 
 # 512 training samples: 8 steps of 2 x 32 per epoch, no short batch (one compiled shape); 4 epochs.
 SGD = [
@@ -132,7 +132,6 @@ def test_every_switch_at_once_resumes_bit_for_bit_on_fsdp(runs: dict[str, Any]) 
 
 def test_the_command_line_runs_the_switches_and_logs_the_first_step(tmp_path: Path) -> None:
     run = run_dtf([*SGD, "strategy=fsdp", *ALL_ON, "launcher.nproc=2", "trainer.max_epochs=1"], tmp_path / "run")
-    assert run.returncode == 0, run.stderr[-3000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("dtf: first step"))
     assert "includes compilation" in line and "trainer.compile=blocks" in line
     s = run.summary

@@ -9,7 +9,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -20,8 +19,16 @@ import torch
 
 from dtf.results import EXIT_STOPPED
 from dtf.train.checkpoint import MARKER, committed, is_complete
-from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
 from tests.helpers.inprocess import train_on_ranks
+from tests.helpers.run_command import (
+    TEST_DEFAULTS,
+    DtfRun,
+    Started,
+    dtf_command,
+    run_command,
+    run_dtf,
+    start_command,
+)
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.
 COMMON = [
@@ -45,7 +52,7 @@ STRATEGIES = {
 @pytest.fixture(scope="module")
 def straight_ddp(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     """The uninterrupted reference run of COMMON (DDP on 2 ranks, N steps)."""
-    return _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path_factory.mktemp("straight") / "run"))
+    return run_dtf([*COMMON, f"trainer.max_steps={N}"], tmp_path_factory.mktemp("straight") / "run")
 
 
 # A stop signal a rank sends itself must land within these N steps (well under a second): the
@@ -61,12 +68,7 @@ FAILING = [
 @pytest.fixture(scope="module")
 def straight_failing(tmp_path_factory: pytest.TempPathFactory) -> DtfRun:
     """The uninterrupted reference for runs of FailingModel (whose failure is switched off here)."""
-    return _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path_factory.mktemp("straight_failing") / "run"))
-
-
-def _ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path_factory.mktemp("straight_failing") / "run")
 
 
 def _same_run(a: DtfRun, b: DtfRun) -> None:
@@ -109,8 +111,8 @@ def test_resume_mid_epoch_ends_bit_for_bit_where_the_straight_run_ends(
     args = [*COMMON, *STRATEGIES[name]]
     if name == "ddp":  # through the command line, as a user resumes
         straight = straight_ddp
-        first = _ok(run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed")).summary
-        resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed"))
+        first = run_dtf([*args, f"trainer.max_steps={K}"], tmp_path / "resumed").summary
+        resumed = run_dtf([*args, f"trainer.max_steps={N}"], tmp_path / "resumed")
     else:  # the sharded strategies (they launch as DDP does) on ranks the test starts
         world = 4 if name == "mics" else 2
         whole, part = [*args, f"trainer.max_steps={N}"], [*args, f"trainer.max_steps={K}"]
@@ -138,11 +140,9 @@ def test_resume_restores_every_ranks_random_streams(tmp_path: Path, capfd: pytes
 
 def test_a_restarted_run_resumes_from_its_newest_checkpoint(tmp_path: Path, straight_failing: DtfRun) -> None:
     # rank 1 dies at its 75th forward of the first attempt; the agent restarts both ranks
-    restarted = _ok(
-        run_dtf(
-            [*FAILING, "+model.fail_at_call=75", "+model.first_attempt_only=true", "launcher.max_restarts=1"],
-            tmp_path / "restarted",
-        )
+    restarted = run_dtf(
+        [*FAILING, "+model.fail_at_call=75", "+model.first_attempt_only=true", "launcher.max_restarts=1"],
+        tmp_path / "restarted",
     )
     assert restarted.summary["resumed_from_step"] == 60  # the newest checkpoint before the failure
     _same_run(restarted, straight_failing)
@@ -159,8 +159,7 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_ends_as_the_straight
     tmp_path: Path, how: str, straight_failing: DtfRun
 ) -> None:
     # agent:SIGTERM reaches the launcher, which passes it on to the ranks; SIGUSR1 reaches rank 1 only
-    stopped = run_dtf([*FAILING, "+model.fail_at_call=75", f"+model.how={how}"], tmp_path / "run")
-    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    stopped = run_dtf([*FAILING, "+model.fail_at_call=75", f"+model.how={how}"], tmp_path / "run", expect=EXIT_STOPPED)
     last = stopped.stderr.strip().splitlines()[-1]
     found = re.fullmatch(r"dtf: stopped by (\S+).* at step (\d+), saved (\S+); continue with the same command .*", last)
     assert found, last
@@ -168,7 +167,7 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_ends_as_the_straight
     assert signal_name == ("SIGTERM" if how == "agent:SIGTERM" else "a")  # rank 0 was not the one signalled
     assert 60 < step < N and saved == tmp_path / "run" / "checkpoints" / f"step_{step:09d}"
     assert is_complete(saved)[0] and not (tmp_path / "run" / "summary.json").exists()
-    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run"))
+    resumed = run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run")
     assert resumed.summary["resumed_from_step"] == step
     _same_run(resumed, straight_failing)
 
@@ -181,25 +180,23 @@ def test_a_stop_signal_during_evaluation_ends_it_and_the_rerun_ends_as_the_strai
     # abandon the evaluation, save step 32 and stop; the rerun evaluates epoch 1 again.
     in_eval = ["+model.at_eval=true", "+model.fail_at_call=2", "+model.how=agent:SIGTERM", "+model.eval_delay_s=1.0"]
     started = time.monotonic()
-    stopped = run_dtf([*FAILING, *in_eval, "checkpoint.stop_check_every_n_steps=null"], tmp_path / "run")
-    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    stopped = run_dtf(
+        [*FAILING, *in_eval, "checkpoint.stop_check_every_n_steps=null"], tmp_path / "run", expect=EXIT_STOPPED
+    )
     saved = tmp_path / "run" / "checkpoints" / f"step_{32:09d}"
     assert stopped.stderr.strip().splitlines()[-1].startswith(f"dtf: stopped by SIGTERM at step 32, saved {saved};")
     assert "epoch 1:" not in stopped.stdout  # the evaluation's line never came: it was abandoned
     assert _steps(tmp_path / "run" / "checkpoints") == [20, 32]
     assert time.monotonic() - started < 60
-    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run"))
+    resumed = run_dtf([*FAILING, "+model.fail_rank=-1"], tmp_path / "run")
     assert resumed.summary["resumed_from_step"] == 32
     _same_run(resumed, straight_failing)
 
 
-def _start_slowed(run_dir: Path, err: Path, delay_s: float) -> subprocess.Popen[bytes]:
+def _start_slowed(run_dir: Path, err: Path, delay_s: float) -> Started:
     """FAILING (its failure off) in the background, every forward delay_s longer; stderr to err."""
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", f"+model.delay_s={delay_s}"]
-    with open(err, "w") as errors:
-        return subprocess.Popen(
-            [*cmd, f"hydra.run.dir={run_dir}"], stderr=errors, stdout=subprocess.DEVNULL, env=dtf_env()
-        )
+    args = [*TEST_DEFAULTS, *FAILING, "+model.fail_rank=-1", f"+model.delay_s={delay_s}", f"hydra.run.dir={run_dir}"]
+    return start_command(dtf_command(*args), err.with_suffix(".out"), err=err)
 
 
 def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight_run(
@@ -207,20 +204,15 @@ def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight
 ) -> None:
     # SIGTERM twice to `python -m dtf`, as an impatient user or a scheduler's second notice: "now".
     run_dir = tmp_path / "run"
-    proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.05)
-    try:
+    with _start_slowed(run_dir, tmp_path / "err", delay_s=0.05) as proc:
         deadline = time.monotonic() + 120
         while not _steps(run_dir / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.finish(EXIT_STOPPED, timeout=60)
     err_text = (tmp_path / "err").read_text()
-    assert code == EXIT_STOPPED, err_text[-3000:]
     newest = _steps(run_dir / "checkpoints")[-1]
     assert (
         err_text.strip()
@@ -229,7 +221,7 @@ def test_a_second_stop_signal_kills_the_ranks_and_the_rerun_ends_as_the_straight
             f"dtf: stopped by SIGTERM (twice) at step {newest}, saved {run_dir / 'checkpoints' / f'step_{newest:09d}'};"
         )
     ), err_text[-2000:]
-    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    resumed = run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir)
     assert resumed.summary["resumed_from_step"] == newest
     _same_run(resumed, straight_failing)
 
@@ -244,11 +236,10 @@ def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run
     # Either way step 40 is never committed; the rerun continues from step 20.
     run_dir = tmp_path / "run"
     if save == "async":
-        killed = run_dtf([*FAILING, "checkpoint.async_save=true", "+model.how=kill", "+model.fail_at_call=52"], run_dir)
-        code, err = killed.returncode, killed.stderr
+        async_kill = ["checkpoint.async_save=true", "+model.how=kill", "+model.fail_at_call=52"]
+        err = run_dtf([*FAILING, *async_kill], run_dir, expect=1).stderr
     else:
-        proc = _start_slowed(run_dir, tmp_path / "err", delay_s=0.02)
-        try:
+        with _start_slowed(run_dir, tmp_path / "err", delay_s=0.02) as proc:
             from dtf.train.heartbeat import path_of, read
 
             deadline = time.monotonic() + 120
@@ -261,15 +252,11 @@ def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run
                 time.sleep(0.0005)
             assert beat is not None
             os.kill(beat.pid, signal.SIGKILL)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+            proc.finish(1, timeout=120)
         err = (tmp_path / "err").read_text()
-    assert code == 1, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("dtf: error: rank 1 failed: killed by signal SIGKILL"), err[-2000:]
     assert _steps(run_dir / "checkpoints") == [20]
-    resumed = _ok(run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir))
+    resumed = run_dtf([*FAILING, "+model.fail_rank=-1"], run_dir)
     assert resumed.summary["resumed_from_step"] == 20
     _same_run(resumed, straight_failing)
 
@@ -278,19 +265,18 @@ def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: 
     args = [*COMMON, "checkpoint.keep_last=3"]
     straight = straight_ddp
     run_dir = tmp_path / "resumed"
-    _ok(run_dtf([*args, f"trainer.max_steps={K}"], run_dir))
+    run_dtf([*args, f"trainer.max_steps={K}"], run_dir)
     ckpts = run_dir / "checkpoints"
     newest = ckpts / f"step_{K:09d}"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:10])  # truncated, as by a full disk or a kill mid-copy
     (ckpts / "step_000000099").mkdir()  # a save that never committed
     # named explicitly, a bad checkpoint is an error before anything starts, not a silent fallback
-    named = run_dtf([*args, f"checkpoint.resume={newest}"], tmp_path / "named")
-    assert named.returncode == 2
+    named = run_dtf([*args, f"checkpoint.resume={newest}"], tmp_path / "named", expect=2)
     assert named.stderr.strip().splitlines() == [
         f"dtf: error: checkpoint.resume={newest} is not a complete checkpoint: {shard.name} is missing or truncated"
     ]
-    resumed = _ok(run_dtf([*args, f"trainer.max_steps={N}"], run_dir))
+    resumed = run_dtf([*args, f"trainer.max_steps={N}"], run_dir)
     assert f"skipping checkpoint {newest}" in resumed.stderr and "truncated" in resumed.stderr
     assert "step_000000099: no commit marker" in resumed.stderr
     assert resumed.summary["resumed_from_step"] == 40
@@ -306,24 +292,22 @@ def test_resume_never_starts_fresh(tmp_path: Path, straight_ddp: DtfRun) -> None
     # A resume after the model changed shape: one line naming the first tensor that differs and both
     # shapes, bad input (2), and the checkpoints left as they were.
     checkpoints = _contents(tmp_path / "run" / "checkpoints")
-    other = run_dtf([*COMMON, f"trainer.max_steps={N}", "model.hidden=64"], tmp_path / "run")
+    other = run_dtf([*COMMON, f"trainer.max_steps={N}", "model.hidden=64"], tmp_path / "run", expect=2)
     newest = tmp_path / "run" / "checkpoints" / f"step_{N:09d}"
-    assert other.returncode == 2, other.stderr[-3000:]
     assert other.stderr.strip().splitlines() == [
         f"dtf: error: checkpoint {newest} does not fit this run: model.net.0.weight has the shape [100, 2] there "
         "and [64, 2] here; resume with the model and optimizer it was trained with, or start over with "
         "checkpoint.resume=never (its checkpoints are moved aside) or another hydra.run.dir"
     ]
     assert _contents(tmp_path / "run" / "checkpoints") == checkpoints
-    again = _ok(run_dtf([*COMMON, "trainer.max_steps=30", "checkpoint.resume=never"], tmp_path / "run"))
+    again = run_dtf([*COMMON, "trainer.max_steps=30", "checkpoint.resume=never"], tmp_path / "run")
     assert again.summary["resumed_from_step"] is None
 
 
 def test_a_non_finite_loss_on_one_rank_stops_the_run_at_that_step_with_its_checkpoints_finite(tmp_path: Path) -> None:
     # rank 1's loss is NaN at step 45; on_nonfinite=stop is the default
     model = ["model._target_=user_models.NonFiniteModel", "+model.at_call=45", "+model.ranks=[1]"]
-    run = run_dtf([*COMMON, *model, f"trainer.max_steps={N}"], tmp_path / "run")
-    assert run.returncode == 1, run.stderr[-3000:]
+    run = run_dtf([*COMMON, *model, f"trainer.max_steps={N}"], tmp_path / "run", expect=1)
     assert run.stderr.strip().splitlines() == [
         "dtf: error: training diverged: the loss or its gradients are not finite (NaN or inf) at step 45 "
         "(trainer.on_nonfinite=stop); the run stopped there and its newest checkpoint, step_000000040, holds the "
@@ -362,8 +346,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
     # test then frees the space and runs the same command, which continues from step 40.
     disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
     disk.mkdir()
-    args = [*TEST_DEFAULTS, *FAILING, f"hydra.run.dir={run_dir}"]
-    dtf = " ".join([shlex.quote(sys.executable), "-m", "dtf", *map(shlex.quote, args)])
+    dtf = shlex.join(dtf_command(*TEST_DEFAULTS, *FAILING, f"hydra.run.dir={run_dir}"))
     full = ["+model.how=fill_disk", "+model.fail_at_call=62", f"+model.fill_path={disk / 'ballast'}"]
     script = f"""
         mount -t tmpfs -o size=64m tmpfs {disk} || exit 99
@@ -374,7 +357,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
         echo $? >{tmp_path}/rerun.status
         cp {run_dir}/summary.json {tmp_path}/summary.json
     """
-    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=dtf_env(), cwd=tmp_path, timeout=400, check=True)
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=400)
     err = (tmp_path / "full.err").read_text()
     assert (tmp_path / "full.status").read_text().strip() == "2", err[-3000:]
     assert err.strip().splitlines() == [
@@ -391,13 +374,11 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
 
 def test_resume_onto_another_world_size_and_strategy(tmp_path: Path, straight_ddp: DtfRun) -> None:
     straight = straight_ddp
-    _ok(run_dtf([*COMMON, "strategy=fsdp", f"trainer.max_steps={K}"], tmp_path / "fsdp2"))
+    run_dtf([*COMMON, "strategy=fsdp", f"trainer.max_steps={K}"], tmp_path / "fsdp2")
     source = tmp_path / "fsdp2" / "checkpoints" / f"step_{K:09d}"
     # the global batch halves (1 rank x 32): the same samples are consumed, at twice the steps
-    ddp1 = _ok(
-        run_dtf(
-            [*COMMON, "launcher.nproc=1", f"trainer.max_steps={N}", f"checkpoint.resume={source}"], tmp_path / "ddp1"
-        )
+    ddp1 = run_dtf(
+        [*COMMON, "launcher.nproc=1", f"trainer.max_steps={N}", f"checkpoint.resume={source}"], tmp_path / "ddp1"
     )
     s = ddp1.summary
     assert (
@@ -428,27 +409,25 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
     args = [*FAILING, "+model.fail_rank=-1", "+model.delay_s=0.05", "checkpoint.every_n_steps=5"]
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}"]
+    cmd = dtf_command(*TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}")
     rng = random.Random(20261122)
     torn = 0
     for trial in range(2):  # one kill at a random moment, one during a save
         before = _steps(ckpts)
         log = tmp_path / f"trial{trial}.log"
-        with open(log, "w") as out:
-            # its own session: the kill takes the whole run (driver, agent and ranks), as a lost node would
-            proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=dtf_env(), start_new_session=True)
-        deadline = time.monotonic() + 120
-        while "rank(s), strategy=" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)  # set up (and resumed, if there was a checkpoint)
-        if trial % 2:  # during a save: the moment a step folder without its marker appears
-            while proc.poll() is None and time.monotonic() < deadline:
-                if any(not (p / MARKER).exists() for p in ckpts.glob("step_*") if int(p.name[5:]) not in before):
-                    break
-                time.sleep(0.001)
-        else:
-            time.sleep(rng.uniform(0.0, 1.5))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # its own session: the kill takes the whole run (driver, agent and ranks), as a lost node would
+        with start_command(cmd, log, new_session=True) as proc:
+            deadline = time.monotonic() + 120
+            while "rank(s), strategy=" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)  # set up (and resumed, if there was a checkpoint)
+            if trial % 2:  # during a save: the moment a step folder without its marker appears
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if any(not (p / MARKER).exists() for p in ckpts.glob("step_*") if int(p.name[5:]) not in before):
+                        break
+                    time.sleep(0.001)
+            else:
+                time.sleep(rng.uniform(0.0, 1.5))
+            os.killpg(proc.pid, signal.SIGKILL)
         after = _steps(ckpts)
         torn += any(not (p / MARKER).exists() for p in ckpts.glob("step_*"))
         # the newest complete checkpoint never goes backwards, and a resume would pick it
@@ -457,7 +436,7 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
             assert f"resumed from {ckpts / f'step_{before[-1]:09d}'}" in log.read_text()
     assert torn >= 1, "no kill landed during a save: the trials did not test what they claim"
     newest = _steps(ckpts)[-1]
-    final = _ok(run_dtf(args, run_dir))
+    final = run_dtf(args, run_dir)
     assert final.summary["resumed_from_step"] == newest
     _same_run(final, straight_failing)
 
@@ -588,17 +567,15 @@ def test_a_restarted_run_that_started_fresh_resumes_from_its_own_newest_checkpoi
     tmp_path: Path, straight_failing: DtfRun
 ) -> None:
     # checkpoint.resume=never is for the first attempt: the restart after rank 1 dies continues this run
-    restarted = _ok(
-        run_dtf(
-            [
-                *FAILING,
-                "+model.fail_at_call=75",
-                "+model.first_attempt_only=true",
-                "launcher.max_restarts=1",
-                "checkpoint.resume=never",
-            ],
-            tmp_path / "restarted",
-        )
+    restarted = run_dtf(
+        [
+            *FAILING,
+            "+model.fail_at_call=75",
+            "+model.first_attempt_only=true",
+            "launcher.max_restarts=1",
+            "checkpoint.resume=never",
+        ],
+        tmp_path / "restarted",
     )
     assert restarted.summary["resumed_from_step"] == 60
     _same_run(restarted, straight_failing)
@@ -606,19 +583,18 @@ def test_a_restarted_run_that_started_fresh_resumes_from_its_own_newest_checkpoi
 
 def test_a_checkpoint_damaged_after_its_commit_is_never_loaded(tmp_path: Path, straight_ddp: DtfRun) -> None:
     run_dir = tmp_path / "resumed"
-    _ok(run_dtf([*COMMON, f"trainer.max_steps={K}"], run_dir))
+    run_dtf([*COMMON, f"trainer.max_steps={K}"], run_dir)
     newest = run_dir / "checkpoints" / f"step_{K:09d}"
     shard = next(newest.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle of the tensors: same size, new values
     shard.write_bytes(bytes(data))
-    named = run_dtf([*COMMON, f"checkpoint.resume={newest}"], tmp_path / "named")
-    assert named.returncode == 2
+    named = run_dtf([*COMMON, f"checkpoint.resume={newest}"], tmp_path / "named", expect=2)
     assert named.stderr.strip().splitlines() == [
         f"dtf: error: checkpoint.resume={newest} is not a complete checkpoint: {shard.name} is damaged (its "
         "checksum differs from the one recorded at the commit)"
     ]
-    resumed = _ok(run_dtf([*COMMON, f"trainer.max_steps={N}"], run_dir))
+    resumed = run_dtf([*COMMON, f"trainer.max_steps={N}"], run_dir)
     warned = [line for line in resumed.stderr.splitlines() if str(newest) in line]
     assert len(warned) == 1 and "damaged" in warned[0], resumed.stderr
     assert resumed.summary["resumed_from_step"] == 40  # the one before it

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_dtf
+from tests.helpers.run_command import dtf_command, run_command, run_dtf
 
 SHORT = ["trainer.max_epochs=1", "data.dataset.num_points=2000", "data.dataset.num_test=400"]
 
 
 def test_default_job_trains_and_writes_its_run_dir(dtf) -> None:  # type: ignore[no-untyped-def]
     run = dtf(*SHORT)
-    assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     for key in (
         "world_size",
@@ -69,7 +68,6 @@ def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-u
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = dtf(*SHORT, "trainer.log_every_n_steps=10", "launcher.nproc=1")
-    assert run.returncode == 0, run.stderr[-3000:]
     tags: set[str] = set()
     for events in (run.run_dir / "tensorboard").glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events))
@@ -87,24 +85,12 @@ def test_tensorboard_has_the_promised_scalars(dtf) -> None:  # type: ignore[no-u
 
 
 def test_cfg_job_prints_the_composed_config() -> None:
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "dtf", "optimizer.lr=0.5", "--cfg", "job"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = run_command(dtf_command("optimizer.lr=0.5", "--cfg", "job"), timeout=120).stdout
     assert "lr: 0.5" in out and "_target_: dtf.models.approximator.Approximator" in out
 
 
 def test_help_lists_groups_and_options() -> None:
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "dtf", "--help"], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
+    out = run_command(dtf_command("--help"), timeout=120).stdout
     for line in (
         "model: approximator, deep_mlp, mnist_cnn",
         "data: digits, fake_images, parquet, petastorm, scalar_field",
@@ -125,7 +111,6 @@ def test_a_quick_check_on_a_validation_split_with_early_stopping_and_the_best_ch
         "trainer.early_stopping.patience=5",
         "checkpoint.keep_best=1",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s["objective_name"] == "val/loss" and [e["step"] for e in s["evaluations"]] == [1, 2]
     assert s["best_step"] in (1, 2) and s["best_objective"] == min(e["val/loss"] for e in s["evaluations"])
@@ -134,10 +119,7 @@ def test_a_quick_check_on_a_validation_split_with_early_stopping_and_the_best_ch
 
 
 def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
-    run = run_dtf(["optimizer.lr=1e-3,1e-2", *SHORT], tmp_path / "sweep", multirun=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
+    run_dtf(["optimizer.lr=1e-3,1e-2", *SHORT], tmp_path / "sweep", multirun=True)
     # two jobs and nothing else: no rank started a sweep of its own by re-parsing the command line
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
     assert {p.name for p in (tmp_path / "sweep").iterdir() if not p.is_dir()} == {
@@ -155,14 +137,11 @@ def test_multirun_runs_each_job_in_its_own_dir(tmp_path: Path) -> None:
 
 def test_a_sweep_through_hydras_joblib_launcher_runs_its_points_side_by_side(tmp_path: Path) -> None:
     # joblib's loky workers have a start method ("loky") that a spawned rank cannot recreate
-    run = run_dtf(
+    run_dtf(
         ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=1e-3,2e-3", "launcher.nproc=1", *SHORT],
         tmp_path / "sweep",
         multirun=True,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["lr_final"] for s in summaries] == [pytest.approx(1e-3), pytest.approx(2e-3)]
     assert summaries[0]["params_sha256"] != summaries[1]["params_sha256"]
@@ -174,7 +153,6 @@ def test_user_model_from_a_module_outside_the_repo(dtf, tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     shutil.copy(Path(__file__).parents[1] / "helpers" / "wide.py", pkg / "nets.py")
     run = dtf("model._target_=mypkg.nets.Wide", *SHORT, extra_pythonpath=[tmp_path / "userland"])
-    assert run.returncode == 0, run.stderr[-3000:]
     # Wide(in=2, hidden=100 from the default model config, out=1): Linear(2,100) + Linear(100,1)
     assert run.summary["model_state_bytes"][0] == 16 * (2 * 100 + 100 + 100 + 1) + 4 * 4
 
@@ -183,16 +161,14 @@ def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # t
     # As torchrun does: each rank's OpenMP/BLAS pools and torch's threads get its share of the
     # cores, not pools sized for the whole machine on every rank; and each rank is a session of its
     # own, so the kernel's autogroup scheduler gives every rank a fair share of the cores.
-    run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT)
     share = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))  # a user's own is kept
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"threads_{rank}.json").read_text())
         assert seen == {"OMP_NUM_THREADS": share, "torch_threads": int(share), "own_session": True}, (rank, seen)
     if "OMP_NUM_THREADS" not in os.environ:  # launcher.env sets it for the ranks, from their start
         one = ["launcher.nproc=1", "+launcher.env.OMP_NUM_THREADS=1"]  # 1 rank alone would get every core
-        run = dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT, *one)
-        assert run.returncode == 0, run.stderr[-3000:]
+        dtf("model._target_=user_models.ThreadsReport", f"+model.report_dir={tmp_path}", *SHORT, *one)
         seen = json.loads((tmp_path / "threads_0.json").read_text())
         assert seen == {"OMP_NUM_THREADS": "1", "torch_threads": 1, "own_session": True}, seen
 
@@ -210,8 +186,7 @@ def test_ranks_on_one_machine_share_its_cores(dtf, tmp_path: Path) -> None:  # t
     ],
 )
 def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: str) -> None:  # type: ignore[no-untyped-def]
-    run = dtf(*args)
-    assert run.returncode == 2
+    run = dtf(*args, expect=2)
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {key}"), run.stderr
     assert not (run.run_dir / "summary.json").exists()
@@ -225,14 +200,7 @@ def test_bad_values_give_one_line_and_no_traceback(dtf, args: list[str], key: st
     ],
 )
 def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[str], path: str) -> None:
-    import subprocess
-
-    from tests.conftest import dtf_env
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtf", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dtf_env()
-    )
-    assert proc.returncode == 2, proc.stderr
+    proc = run_command(dtf_command(*args), expect=2, timeout=120, cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: hydra.{'sweep' if '-m' in args else 'run'}.dir={path}")
     assert "Traceback" not in proc.stderr
@@ -259,8 +227,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
     ],
 )
 def test_a_command_line_hydra_cannot_compose_is_one_line(dtf, args: list[str], line: str) -> None:  # type: ignore[no-untyped-def]
-    run = dtf(*args, multirun="," in args[0])
-    assert run.returncode == 2, run.stderr  # bad input, not a failed rank (Hydra's own exit status is 1)
+    run = dtf(*args, multirun="," in args[0], expect=2)  # bad input, not a failed rank (Hydra's own exit status is 1)
     lines = [text for text in run.stderr.splitlines() if text.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {line}"), run.stderr
 
@@ -283,8 +250,7 @@ def test_a_command_line_hydra_cannot_compose_is_one_line(dtf, args: list[str], l
     ],
 )
 def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
-    run = dtf(*args)
-    assert run.returncode == 2, run.stderr  # bad input, wherever it is found (as on the driver)
+    run = dtf(*args, expect=2)  # bad input, wherever it is found (as on the driver)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {message}"), run.stderr
 
@@ -292,9 +258,10 @@ def test_user_error_inside_a_rank_is_one_line(dtf, args: list[str], message: str
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_that_raises_fails_the_run_within_seconds(dtf, rank: int) -> None:  # type: ignore[no-untyped-def]
     start = time.monotonic()
-    run = dtf("model._target_=user_models.FailingModel", f"+model.fail_rank={rank}", "trainer.dist_timeout_s=600")
+    run = dtf(
+        "model._target_=user_models.FailingModel", f"+model.fail_rank={rank}", "trainer.dist_timeout_s=600", expect=1
+    )
     elapsed = time.monotonic() - start
-    assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dtf: error: rank {rank} failed: RuntimeError: injected failure on rank {rank}"), run.stderr
     # whichever rank it is, its traceback is shown once, the same way, just before that line
@@ -310,8 +277,7 @@ def test_a_failed_run_leaves_nothing_in_the_temp_dir(tmp_path: Path, monkeypatch
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))
-    run = run_dtf(["model._target_=user_models.FailingModel", "+model.fail_rank=1", *SHORT], tmp_path / "run")
-    assert run.returncode == 1
+    run = run_dtf(["model._target_=user_models.FailingModel", "+model.fail_rank=1", *SHORT], tmp_path / "run", expect=1)
     # nor multiprocessing's temp dirs (a failed rank ends without removing its own)
     left = list(temp.glob("pytorch-errorfile-*")) + list(temp.glob("pymp-*"))
     assert not left, sorted(p.name for p in temp.iterdir())
@@ -324,8 +290,7 @@ def test_a_failed_run_leaves_nothing_in_the_temp_dir(tmp_path: Path, monkeypatch
 
 def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  # type: ignore[no-untyped-def]
     start = time.monotonic()
-    run = dtf("model._target_=user_models.FailingModel", "+model.how=kill", "trainer.dist_timeout_s=600")
-    assert run.returncode == 1
+    run = dtf("model._target_=user_models.FailingModel", "+model.how=kill", "trainer.dist_timeout_s=600", expect=1)
     assert "rank 1 failed" in run.stderr and "SIGKILL" in run.stderr, run.stderr
     assert time.monotonic() - start < 60
 
@@ -335,11 +300,9 @@ def test_a_rank_killed_by_a_signal_fails_the_run_within_seconds(dtf) -> None:  #
 
 
 def test_runs_in_place_under_an_external_torchrun(dtf) -> None:  # type: ignore[no-untyped-def]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dtf"]
-    external = dtf(*SHORT, prefix=torchrun)
-    assert external.returncode == 0, external.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    external = dtf(*SHORT, python=torchrun)
     spawned = dtf(*SHORT)
-    assert spawned.returncode == 0, spawned.stderr[-3000:]
     assert external.summary["world_size"] == 2
     assert external.summary["params_sha256"] == spawned.summary["params_sha256"]
 
@@ -359,8 +322,8 @@ def test_a_rendezvous_port_already_taken_is_one_line(dtf) -> None:  # type: igno
             f"launcher.rdzv_endpoint=127.0.0.1:{port}",
             "launcher.nproc=1",
             timeout=120,
+            expect=2,
         )
-    assert run.returncode == 2, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, run.stderr[-3000:]
     assert lines[0].startswith(f"dtf: error: launcher.rdzv_endpoint=127.0.0.1:{port}: "), lines[0]

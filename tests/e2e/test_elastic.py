@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DtfRun, run_dtf
 from tests.helpers import user_datasets
 from tests.helpers.inprocess import train_in_process
+from tests.helpers.run_command import DtfRun, run_dtf
 
 G = 64  # the global batch: data.batch_size = G / world size
 K = 40  # a checkpoint in the middle of epoch 2 (31 steps per epoch: 2000 rows)
@@ -41,11 +41,6 @@ def data_args(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     }
 
 
-def ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
 def on(world: int) -> list[str]:
     return [f"launcher.nproc={world}", f"data.batch_size={G // world}"]
 
@@ -67,9 +62,9 @@ def test_a_petastorm_datasets_2_rank_run_resumed_on_4_ends_at_the_straight_runs_
     # A Petastorm dataset is read by the same reader as Parquet (its codecs decoded on the way); the
     # resume trains on 4 ranks from the middle of epoch 2 on.
     args = [*COMMON, *data_args["petastorm"]]
-    straight = ok(run_dtf([*args, *on(2)], tmp_path / "ranks2"))
+    straight = run_dtf([*args, *on(2)], tmp_path / "ranks2")
     checkpoint = straight.run_dir / "checkpoints" / f"step_{K:09d}"
-    resumed = ok(run_dtf([*args, *on(4), f"checkpoint.resume={checkpoint}"], tmp_path / "resumed"))
+    resumed = run_dtf([*args, *on(4), f"checkpoint.resume={checkpoint}"], tmp_path / "resumed")
     steps = straight.summary["global_step"]
     assert K < steps < 2 * K  # K is in the middle of epoch 2
     assert straight.summary["world_size"] == 2
@@ -89,11 +84,11 @@ def test_a_world_size_that_does_not_divide_the_partitions_is_refused_in_one_line
 ) -> None:
     args = [*COMMON, *data_args["parquet"]]
     asked = run_dtf(
-        [*args, "launcher.nproc=3", "data.batch_size=16", "data.canonical_partitions=8"], tmp_path / "asked"
+        [*args, "launcher.nproc=3", "data.batch_size=16", "data.canonical_partitions=8"], tmp_path / "asked", expect=2
     )
     # A run's checkpoint recorded C = 8 (auto at G = 64, on 1 rank); its resume on 3 ranks cannot use it.
     train_in_process([*args, "launcher.nproc=1", "data.batch_size=64", "trainer.max_steps=3"], tmp_path / "recorded")
-    recorded = run_dtf([*args, "launcher.nproc=3", "data.batch_size=16"], tmp_path / "recorded")
+    recorded = run_dtf([*args, "launcher.nproc=3", "data.batch_size=16"], tmp_path / "recorded", expect=2)
     fix = "a world size that divides 8 (1, 2, 4, 8) and a global batch that 8 divides"
     for run, line in (
         (
@@ -107,6 +102,5 @@ def test_a_world_size_that_does_not_divide_the_partitions_is_refused_in_one_line
             f"data.canonical_partitions=8): resume on {fix}, or start afresh with checkpoint.resume=never",
         ),
     ):
-        assert run.returncode == 2, run.stderr[-2000:]
         assert run.stderr.strip().splitlines() == [f"dtf: error: {line}"]
         assert "rank(s), strategy=" not in run.stdout  # refused before any rank started

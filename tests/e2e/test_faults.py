@@ -4,11 +4,9 @@ non-ASCII characters, a finished run run again (issue 31)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dtf.train.checkpoint import committed
-from tests.conftest import TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.helpers.run_command import TEST_DEFAULTS, DtfRun, Started, dtf_command, run_command, run_dtf, start_command
 from tests.helpers.sockets import descendants, listening
 
 # Every forward sleeps, so a run trains for seconds (100 steps of 2 ranks, 32 batches an epoch).
@@ -33,20 +31,16 @@ SLOW = [
 ]
 
 
-def _start(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(run_dir: Path, log: Path) -> Started:
     """`python -m dtf` in a session of its own (a kill of its group takes every process of the run),
     with the run dir quoted as Hydra's grammar wants it (spaces, non-ASCII)."""
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, f"hydra.run.dir='{run_dir}'"]
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=dtf_env(), cwd=log.parent, start_new_session=True
-        )
+    cmd = dtf_command(*TEST_DEFAULTS, *SLOW, f"hydra.run.dir='{run_dir}'")
+    return start_command(cmd, log, cwd=log.parent, new_session=True)
 
 
 def _finish(run_dir: Path, log: Path) -> DtfRun:
-    proc = _start(run_dir, log)
-    code = proc.wait(timeout=240)
-    return DtfRun(code, log.read_text(), "", run_dir)
+    with _start(run_dir, log) as proc:
+        return DtfRun(proc.finish(expect=None), log.read_text(), "", run_dir)
 
 
 @dataclass
@@ -75,27 +69,22 @@ def _record_of(run_dir: Path) -> dict[str, bytes]:
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> SharedDir:
     root = tmp_path_factory.mktemp("shared")
     run_dir = root / "my run dir ü"
-    first, second = _start(run_dir, root / "first.log"), _start(run_dir, root / "second.log")
-    started = time.monotonic()
-    procs = {first: root / "first.log", second: root / "second.log"}
-    try:
+    with _start(run_dir, root / "first.log") as first, _start(run_dir, root / "second.log") as second:
+        started = time.monotonic()
+        procs = (first, second)
         while all(p.poll() is None for p in procs) and time.monotonic() - started < 120:
             time.sleep(0.05)
         refused_proc = next(p for p in procs if p.poll() is not None)
         refused_after_s = time.monotonic() - started
         winner = second if refused_proc is first else first
-        refused = DtfRun(refused_proc.wait(), procs[refused_proc].read_text(), "", run_dir)
-        log = procs[winner]
+        refused = DtfRun(refused_proc.wait(), refused_proc.output(), "", run_dir)
+        log = winner.log
         while "step 40/" not in log.read_text() and winner.poll() is None and time.monotonic() - started < 240:
             time.sleep(0.05)
         assert winner.poll() is None, log.read_text()[-3000:]
         sockets = listening([winner.pid, *descendants(winner.pid)])
         os.killpg(winner.pid, signal.SIGKILL)  # kill -9 of the whole run, as a lost node
         winner.wait()
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
     newest = int(committed(run_dir / "checkpoints")[0].name.removeprefix("step_"))
     continued = _finish(run_dir, root / "continued.log")
     finished_files = _record_of(run_dir) if continued.returncode == 0 else {}
@@ -154,9 +143,8 @@ def test_a_hung_rank_is_named_and_killed_long_before_the_collective_timeout(tmp_
     hung_at = tmp_path / "hung_at"
     hang = ["model._target_=user_models.FailingModel", "+model.how=hang", "+model.fail_at_call=10"]
     args = [*hang, f"+model.fill_path={hung_at}", "trainer.stall_timeout_s=3", "trainer.dist_timeout_s=600"]
-    run = run_dtf(args, tmp_path / "run", timeout=300)
+    run = run_dtf(args, tmp_path / "run", timeout=300, expect=1)
     ended = time.time()
-    assert run.returncode == 1, run.stderr[-3000:]
     assert (
         run.stderr.strip()
         .splitlines()[-1]
@@ -196,10 +184,7 @@ def test_a_script_without_a_main_guard_runs_and_names_no_class_of_its_own(tmp_pa
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cmd = [sys.executable, str(script) if how == "file" else "-", str(tmp_path)]
-    done = subprocess.run(
-        cmd, input=SCRIPT if how == "stdin" else None, capture_output=True, text=True, timeout=300, env=dtf_env()
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_command(cmd, input=SCRIPT if how == "stdin" else None, timeout=300)
     lines = done.stdout.splitlines()
     assert lines[0] == (
         "refused: model._target_=__main__.Net names Net in the script that runs dtf, which the ranks do not run: put "
@@ -233,9 +218,10 @@ def test_a_parquet_file_deleted_while_the_run_reads_is_one_line_in_bounded_time(
     remove = ["model._target_=user_models.FailingModel", "+model.how=remove", "+model.fail_at_call=3"]
     started = time.monotonic()
     run = run_dtf(
-        [*PARQUET, f"data.path={data}", *remove, f"+model.fill_path={data / 'part-3.parquet'}"], tmp_path / "run"
+        [*PARQUET, f"data.path={data}", *remove, f"+model.fill_path={data / 'part-3.parquet'}"],
+        tmp_path / "run",
+        expect=2,
     )
-    assert run.returncode == 2, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: data.path=file://{data}"), run.stderr[-3000:]
     assert time.monotonic() - started < 120  # not the collective timeout (TEST_DEFAULTS: 60 s) and its grace
@@ -243,8 +229,7 @@ def test_a_parquet_file_deleted_while_the_run_reads_is_one_line_in_bounded_time(
 
 def test_data_too_small_for_every_rank_to_have_a_batch_is_refused_on_the_driver(tmp_path: Path) -> None:
     data = _parquet(tmp_path / "data", files=1, rows=10)
-    run = run_dtf([*PARQUET, f"data.path={data}", "data.batch_size=8"], tmp_path / "run")
-    assert run.returncode == 2, run.stderr[-3000:]
+    run = run_dtf([*PARQUET, f"data.path={data}", "data.batch_size=8"], tmp_path / "run", expect=2)
     assert run.stderr.strip().splitlines() == [
         f"dtf: error: data.path=file://{data} has 10 rows, fewer than world size x data.batch_size = 2 x 8 = 16: every "
         "rank needs a full batch; lower data.batch_size, start fewer ranks, or add rows"

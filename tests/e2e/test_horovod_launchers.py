@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,24 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, dtf_env
+from tests.conftest import REPO
 from tests.helpers.clusters import run_script, script_cluster, unavailable
+from tests.helpers.run_command import dtf_command, run_command
 
 SCRIPT = REPO / "recipes" / "horovod_pytorch_mnist.py"
 ARGS = ["--epochs", "1", "--batch-size", "16", "--lr", "0.05"]
 
 
 def run(cmd: list[str], cwd: Path, out: str, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        [*cmd, sys.executable, str(SCRIPT), *ARGS, "--save-model", out],
-        cwd=cwd,
-        env={**dtf_env(), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_command(
+        [*cmd, sys.executable, str(SCRIPT), *ARGS, "--save-model", out], cwd=cwd, env=env, timeout=300
+    ).stdout
 
 
 def accuracy(stdout: str) -> float:
@@ -49,7 +42,7 @@ def same_parameters(a: Path, b: Path) -> bool:
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     where = tmp_path_factory.mktemp("local")
-    stdout = run([sys.executable, "-m", "dtf.horovod", "-np", "2"], where, str(where / "params.pt"))
+    stdout = run(dtf_command("-np", "2", module="dtf.horovod"), where, str(where / "params.pt"))
     return where / "params.pt", accuracy(stdout)
 
 

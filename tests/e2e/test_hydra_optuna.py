@@ -9,16 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import DtfRun, dtf_env, run_dtf
 from tests.helpers import side_venv
 from tests.helpers.clusters import script_cluster
+from tests.helpers.run_command import DtfRun, run_command, run_dtf
 
 SMALL = [
     "trainer.max_epochs=1",
@@ -38,13 +37,7 @@ def optuna_sweep(python: Path, sweep_dir: Path, *args: str, timeout: float = 400
     """`python -m dtf -m hydra/sweeper=optuna ...` with a sqlite study in the sweep dir, to read back."""
     storage = f"sqlite:///{sweep_dir.parent / 'study.db'}"
     study = ["hydra.sweeper.study_name=dtf", f"hydra.sweeper.storage={storage}"]
-    return run_dtf(
-        ["hydra/sweeper=optuna", *study, *args],
-        sweep_dir,
-        multirun=True,
-        timeout=timeout,
-        prefix=[str(python), "-m", "dtf"],
-    )
+    return run_dtf(["hydra/sweeper=optuna", *study, *args], sweep_dir, multirun=True, timeout=timeout, python=python)
 
 
 def trials(python: Path, sweep_dir: Path) -> list[dict]:
@@ -55,13 +48,7 @@ def trials(python: Path, sweep_dir: Path) -> list[dict]:
         "print(json.dumps([dict(number=t.number, state=t.state.name, value=t.value, params=t.params) "
         "for t in s.trials]))"
     )
-    out = subprocess.run(
-        [str(python), "-c", code, f"sqlite:///{sweep_dir.parent / 'study.db'}"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=dtf_env(),
-    ).stdout
+    out = run_command([str(python), "-c", code, f"sqlite:///{sweep_dir.parent / 'study.db'}"]).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -75,23 +62,16 @@ def overrides(run_dir: Path) -> dict[str, str]:
     return dict(o.split("=", 1) for o in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
 
 
-def _ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return run
-
-
 def test_optuna_finds_a_better_lr_than_its_worst_trial(side_python: Path, tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    _ok(
-        optuna_sweep(
-            side_python,
-            sweep_dir,
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.sampler.seed=0",
-            "optimizer.lr=tag(log,interval(1e-5,1e-1))",
-            "launcher.nproc=1",
-            *SMALL,
-        )
+    optuna_sweep(
+        side_python,
+        sweep_dir,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=tag(log,interval(1e-5,1e-1))",
+        "launcher.nproc=1",
+        *SMALL,
     )
     runs = points(sweep_dir)
     assert sorted(runs) == [0, 1]
@@ -110,16 +90,14 @@ def test_optuna_finds_a_better_lr_than_its_worst_trial(side_python: Path, tmp_pa
 
 def test_every_rank_of_every_trial_trains_that_trials_config(side_python: Path, tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    _ok(
-        optuna_sweep(
-            side_python,
-            sweep_dir,
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.sampler.seed=0",
-            "optimizer.lr=tag(log,interval(1e-4,1e-2))",
-            "launcher.nproc=2",
-            *SMALL,
-        )
+    optuna_sweep(
+        side_python,
+        sweep_dir,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+        "launcher.nproc=2",
+        *SMALL,
     )
     runs = points(sweep_dir)
     assert sorted(runs) == [0, 1]
@@ -146,21 +124,19 @@ def test_a_failed_or_stopped_trial_is_failed_in_optuna_and_the_sweep_goes_on(
     side_python: Path, tmp_path: Path, how: str, said: str
 ) -> None:
     sweep_dir = tmp_path / "sweep"
-    run = _ok(
-        optuna_sweep(
-            side_python,
-            sweep_dir,
-            "hydra.sweeper.n_trials=4",
-            "hydra.sweeper.sampler.seed=0",
-            "optimizer.lr=tag(log,interval(1e-4,1e-2))",
-            # rank fail_rank raises, or sends itself a stop signal, at its 3rd forward (-1: no rank does)
-            "model._target_=user_models.FailingModel",
-            "+model.fail_rank=choice(-1,0)",
-            f"+model.how={how}",
-            "checkpoint.stop_check_every_n_steps=1",  # the stop lands within this short trial
-            "launcher.nproc=1",
-            *SMALL,
-        )
+    run = optuna_sweep(
+        side_python,
+        sweep_dir,
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+        # rank fail_rank raises, or sends itself a stop signal, at its 3rd forward (-1: no rank does)
+        "model._target_=user_models.FailingModel",
+        "+model.fail_rank=choice(-1,0)",
+        f"+model.how={how}",
+        "checkpoint.stop_check_every_n_steps=1",  # the stop lands within this short trial
+        "launcher.nproc=1",
+        *SMALL,
     )
     told = trials(side_python, sweep_dir)
     assert len(told) == 4
@@ -186,8 +162,7 @@ def test_a_failed_or_stopped_trial_is_failed_in_optuna_and_the_sweep_goes_on(
 def test_with_the_basic_sweeper_a_failed_point_fails_the_sweep(tmp_path: Path) -> None:
     """The contrast: Hydra's basic sweeper asks for no value, so a failure ends the sweep non-zero."""
     model = ["model._target_=user_models.FailingModel", "+model.fail_rank=-1,0", "launcher.nproc=1"]
-    run = run_dtf([*model, *SMALL], tmp_path / "sweep", multirun=True)
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
+    run = run_dtf([*model, *SMALL], tmp_path / "sweep", multirun=True, expect=1)
     assert "dtf: error: rank 0 failed" in run.stderr
     assert (tmp_path / "sweep" / "0" / "summary.json").exists()
 
@@ -204,18 +179,16 @@ def test_on_slurm_each_trials_job_is_waited_for_before_the_next_is_chosen(
     side_python: Path, tmp_path: Path, slurm_conf: str
 ) -> None:
     sweep_dir = tmp_path / "sweep"
-    run = _ok(
-        optuna_sweep(
-            side_python,
-            sweep_dir,
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.n_jobs=1",  # one trial asked at a time: the second is chosen knowing the first
-            "hydra.sweeper.sampler.seed=0",
-            "optimizer.lr=tag(log,interval(1e-4,1e-2))",
-            "launcher=slurm",
-            "launcher.tasks_per_node=1",
-            *SMALL,
-        )
+    run = optuna_sweep(
+        side_python,
+        sweep_dir,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=1",  # one trial asked at a time: the second is chosen knowing the first
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+        "launcher=slurm",
+        "launcher.tasks_per_node=1",
+        *SMALL,
     )
     jobs = re.findall(r"submitted SLURM job (\d+)", run.stdout)
     assert len(set(jobs)) == 2, run.stdout

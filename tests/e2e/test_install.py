@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtf import sideenv
+from tests.helpers.run_command import dtf_command, run_command
 
 REPO = Path(__file__).resolve().parents[2]
 # What a source distribution of dtf holds: the build needs nothing else.
@@ -63,9 +64,7 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(python), "-m", "dtf", *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
-    )
+    return run_command(dtf_command(*args, python=python), cwd=cwd, timeout=300)
 
 
 def test_the_installed_package_carries_the_config_tree(installed_python: Path, tmp_path: Path) -> None:
@@ -91,13 +90,11 @@ def test_the_installed_package_composes_and_trains_from_another_directory(
     installed_python: Path, tmp_path: Path
 ) -> None:
     shown = _run(installed_python, tmp_path, "--cfg", "job")
-    assert shown.returncode == 0, shown.stderr[-3000:]
     assert "_target_: dtf.models.approximator.Approximator" in shown.stdout
     recipe = _run(installed_python, tmp_path, "+recipe=horovod_mnist", "--cfg", "job")
-    assert recipe.returncode == 0, recipe.stderr[-3000:]
     assert "_target_: dtf.models.mnist_cnn.MnistCNN" in recipe.stdout
     run_dir = tmp_path / "run"
-    trained = _run(
+    _run(
         installed_python,
         tmp_path,
         "trainer.max_epochs=1",
@@ -106,7 +103,6 @@ def test_the_installed_package_composes_and_trains_from_another_directory(
         "trainer.progress=off",
         f"hydra.run.dir={run_dir}",
     )
-    assert trained.returncode == 0, trained.stderr[-3000:]
     assert (run_dir / "summary.json").is_file()
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_DEFAULTS, dtf_env, run_dtf
+from tests.helpers.run_command import TEST_DEFAULTS, dtf_command, run_dtf, start_command
 from tests.helpers.sockets import descendants
 
 # A long run whose every forward sleeps: a signal always lands in the middle of training.
@@ -40,26 +38,25 @@ def _interrupt(
     terminal's Ctrl-C does; with every=True to every process it started, ranks and data workers
     included, as SLURM does; or to the driver only), and returns (exit status, stderr)."""
     log = tmp_path / "log"
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, *args, f"hydra.run.dir={tmp_path / 'run'}"]
-    with open(log, "w") as out, open(tmp_path / "err", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dtf_env(), start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
-    if every:
-        _signal_all([proc.pid, *descendants(proc.pid)], sig)
-    elif group:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    ranks = descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
-    try:
-        code = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            _signal_all([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
-        _signal_all(ranks, signal.SIGKILL)  # none left, unless the driver died before them
+    cmd = dtf_command(*TEST_DEFAULTS, *SLOW, *args, f"hydra.run.dir={tmp_path / 'run'}")
+    with start_command(cmd, log, err=tmp_path / "err", new_session=True) as proc:
+        deadline = time.monotonic() + 120
+        while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
+        if every:
+            _signal_all([proc.pid, *descendants(proc.pid)], sig)
+        elif group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        ranks = descendants(proc.pid)  # in sessions of their own: a kill of the driver's group misses them
+        try:
+            code = proc.finish(expect=None, timeout=90)
+        finally:
+            if proc.poll() is None:
+                _signal_all([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
+            _signal_all(ranks, signal.SIGKILL)  # none left, unless the driver died before them
     return code, (tmp_path / "err").read_text()
 
 
@@ -88,22 +85,20 @@ def test_ctrl_c_leaves_nothing_to_print_after_the_run_has_ended(tmp_path: Path) 
     # started; ranks killed by the agent leave them to it, and it cleans them up once the driver has
     # ended (after the shell's prompt) with a warning per run: "leaked semaphore objects".
     log, err = tmp_path / "log", tmp_path / "err"
-    cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SLOW, "data.num_workers=2"]
-    cmd.append(f"hydra.run.dir={tmp_path / 'run'}")
-    with open(log, "w") as out, open(err, "w") as errors:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=errors, env=dtf_env(), start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    below = descendants(proc.pid)  # the ranks, their workers, the resource tracker
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        assert proc.wait(timeout=90) == 128 + signal.SIGINT
-        deadline = time.monotonic() + 30  # what outlives the driver has ended, and printed what it would
-        while any(Path(f"/proc/{pid}").exists() for pid in below) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        _signal_all([proc.pid, *below], signal.SIGKILL)
+    cmd = dtf_command(*TEST_DEFAULTS, *SLOW, "data.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}")
+    with start_command(cmd, log, err=err, new_session=True) as proc:
+        deadline = time.monotonic() + 120
+        while "step 40/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = descendants(proc.pid)  # the ranks, their workers, the resource tracker
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.finish(128 + signal.SIGINT, timeout=90)
+            deadline = time.monotonic() + 30  # what outlives the driver has ended, and printed what it would
+            while any(Path(f"/proc/{pid}").exists() for pid in below) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            _signal_all([proc.pid, *below], signal.SIGKILL)
     lines = err.read_text().strip().splitlines()
     assert lines[-1].startswith("dtf: interrupted by SIGINT"), lines[-5:]
     assert "leaked" not in err.read_text() and "Traceback" not in err.read_text(), err.read_text()[-2000:]
@@ -120,8 +115,8 @@ def test_a_rank_that_crashes_after_a_stop_signal_is_reported_as_a_crash(tmp_path
             "trainer.max_steps=200",
         ],
         tmp_path / "run",
+        expect=1,
     )
-    assert run.returncode == 1, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("dtf: error: rank 1 failed: RuntimeError: injected failure on rank 1 after a stop"), last
 

@@ -23,7 +23,6 @@ ported and what cannot apply, is tests/unit/test_optuna_sweeper_ported.py.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,14 +32,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from dtf.models import optuna_examples
-from tests.conftest import DtfRun, dtf_env, run_dtf
 from tests.helpers import side_venv
 from tests.helpers.optuna_sweeps import run_sweep, sampler, sweep_of
+from tests.helpers.run_command import DtfRun, run_command, run_dtf
 
 HERE = Path(__file__).resolve().parent / "optuna_sweeper"
 SPHERE = ["+experiment=sphere"]
 # (--config-dir before the overrides: Hydra's argument parser takes no option after them)
-DTF = [sys.executable, "-m", "dtf", f"--config-dir={HERE}"]
+CONFIG_DIR = [f"--config-dir={HERE}"]
 N_REAL = 2  # real dtf trials: ~5 s each
 SAME_POINTS = 13  # Optuna 2.10's TPE and Optuna 5's agree this far on this example (see above)
 STUDY = "test-optuna-example"
@@ -52,8 +51,7 @@ def hydra_sphere(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = side_venv.side_python("hydra-optuna")
     sweep_dir = tmp_path_factory.mktemp("hydra_sphere") / "sweep"
     cmd = [str(python), str(HERE / "hydra_example" / "sphere.py"), "-m", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dtf_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_command(cmd, timeout=300)
     return sweep_dir
 
 
@@ -63,8 +61,9 @@ def dtf_sphere(tmp_path_factory: pytest.TempPathFactory) -> tuple[DtfRun, str]:
     root = tmp_path_factory.mktemp("dtf_sphere")
     storage = f"sqlite:///{root / 'test.db'}"
     args = [*SPHERE, f"hydra.sweeper.n_trials={N_REAL}", f"hydra.sweeper.storage={storage}"]
-    run = run_dtf([*args, f"hydra.sweeper.study_name={STUDY}"], root / "sweep", multirun=True, timeout=600, prefix=DTF)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_dtf(
+        [*args, f"hydra.sweeper.study_name={STUDY}"], root / "sweep", multirun=True, timeout=600, options=CONFIG_DIR
+    )
     return run, storage
 
 
@@ -146,17 +145,18 @@ def test_failure_rate(tmp_path: Path) -> None:
         ],
         tmp_path / "sweep",
         multirun=True,
-        prefix=DTF,
+        options=CONFIG_DIR,
+        expect=1,
     )
-    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "RuntimeError: cfg.error is True" in run.stderr
     assert "more than hydra.sweeper.max_failure_rate=0.5: the sweep stops" in run.stderr
     assert len(list((tmp_path / "sweep").glob("*/trial.json"))) == 1  # 1 of 1 failed: no other starts
 
 
 def test_example_with_removed_motpe(tmp_path: Path) -> None:
-    run = run_dtf([*SPHERE, "hydra/sweeper/sampler=motpe"], tmp_path / "sweep", multirun=True, prefix=DTF)
-    assert run.returncode == 2
+    run = run_dtf(
+        [*SPHERE, "hydra/sweeper/sampler=motpe"], tmp_path / "sweep", multirun=True, options=CONFIG_DIR, expect=2
+    )
     assert "motpe" in run.stderr and "sampler was removed in Optuna 4.0" in run.stderr
     assert "Traceback" not in run.stderr and not list((tmp_path / "sweep").glob("*/trial.json"))
 
@@ -164,14 +164,8 @@ def test_example_with_removed_motpe(tmp_path: Path) -> None:
 def test_a_hydra_app_that_is_not_dtf_gets_one_line(tmp_path: Path) -> None:
     """(It got omegaconf's ConfigAttributeError traceback: "Key 'trainer' is not in struct".)"""
     app = HERE / "not_dtf_app.py"
-    proc = subprocess.run(
-        [sys.executable, str(app), "-m", "hydra/sweeper=dtf", "+x=interval(0,1)", f"hydra.sweep.dir={tmp_path / 's'}"],
-        capture_output=True,
-        text=True,
-        env=dtf_env(),
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
+    sweep = ["-m", "hydra/sweeper=dtf", "+x=interval(0,1)", f"hydra.sweep.dir={tmp_path / 's'}"]
+    proc = run_command([sys.executable, str(app), *sweep], expect=2, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dtf: error:")]
     assert errors == [
         "dtf: error: hydra/sweeper=dtf runs every trial as a dtf run (python -m dtf with this config), and this "

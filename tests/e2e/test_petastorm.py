@@ -14,11 +14,11 @@ import pytest
 
 from dtf.data.parquet.plan import EpochOrder, Partitions, auto_partitions, batches_per_rank
 from dtf.data.prepare import build_splits, write_parquet
-from tests.conftest import DtfRun, run_dtf
 from tests.helpers import user_datasets
 from tests.helpers.parquet_files import SKEWED, write_skewed
 from tests.helpers.plan_steps import rank_steps
 from tests.helpers.record_rows import read_batches
+from tests.helpers.run_command import DtfRun, run_command, run_dtf
 
 BATCH = 16
 SEED = 0  # trainer.seed: the plan's seed
@@ -49,11 +49,6 @@ def promised_rows(data: Path, world: int, rank: int, epoch: int, remainder: str)
     return [int(labels[starts[s.piece] + r]) for s in segments for r in s.rows]
 
 
-def ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_skewed(tmp_path_factory.mktemp("skewed") / "train")
@@ -62,7 +57,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def straight_2_ranks(tmp_path_factory: pytest.TempPathFactory, skewed: Path) -> tuple[DtfRun, Path]:
     record = tmp_path_factory.mktemp("straight_rows")
-    run = ok(run_dtf(skewed_args(skewed, record, 2, "drop"), tmp_path_factory.mktemp("straight") / "run"))
+    run = run_dtf(skewed_args(skewed, record, 2, "drop"), tmp_path_factory.mktemp("straight") / "run")
     return run, record
 
 
@@ -98,7 +93,7 @@ def test_skewed_row_groups_on_2_ranks_every_rank_same_steps_and_promised_rows(
 def test_skewed_row_groups_on_3_ranks_padded(tmp_path: Path, skewed: Path) -> None:
     record = tmp_path / "rows"
     record.mkdir()
-    run = ok(run_dtf(skewed_args(skewed, record, 3, "pad"), tmp_path / "run"))
+    run = run_dtf(skewed_args(skewed, record, 3, "pad"), tmp_path / "run")
     check_rows(run, record, skewed, 3, "pad")
 
 
@@ -111,8 +106,8 @@ def test_resume_mid_epoch_reads_on_exactly_where_it_stopped(
     record.mkdir()
     args = skewed_args(skewed, record, 2, "drop")
     k = 40  # epoch 2 (of 31 batches each), batch 9
-    ok(run_dtf([*args, f"trainer.max_steps={k}"], tmp_path / "run"))
-    resumed = ok(run_dtf(args, tmp_path / "run"))
+    run_dtf([*args, f"trainer.max_steps={k}"], tmp_path / "run")
+    resumed = run_dtf(args, tmp_path / "run")
     assert resumed.summary["resumed_from_step"] == k
     assert resumed.summary["params_sha256"] == straight.summary["params_sha256"]
     assert resumed.summary["final_train_loss"] == straight.summary["final_train_loss"]
@@ -126,20 +121,18 @@ def test_parquet_copy_trains_to_the_in_memory_loss_without_shuffling(tmp_path: P
     for split, (x, y) in splits.items():
         write_parquet(x, y, tmp_path / "parquet" / split, rows_per_group=300)
     common = ["launcher.nproc=1", "trainer.max_epochs=2"]
-    memory = ok(run_dtf([*common, *sizes, "data.shuffle=false"], tmp_path / "memory"))
-    files = ok(
-        run_dtf(
-            [
-                *common,
-                "data=petastorm",
-                f"data.path={tmp_path / 'parquet' / 'train'}",
-                f"data.test_path={tmp_path / 'parquet' / 'test'}",
-                "data.shuffle_rows=false",
-                "data.shuffle_row_groups=false",
-                "data.canonical_partitions=1",  # one partition: steps of stored rows in order, as in memory
-            ],
-            tmp_path / "files",
-        )
+    memory = run_dtf([*common, *sizes, "data.shuffle=false"], tmp_path / "memory")
+    files = run_dtf(
+        [
+            *common,
+            "data=petastorm",
+            f"data.path={tmp_path / 'parquet' / 'train'}",
+            f"data.test_path={tmp_path / 'parquet' / 'test'}",
+            "data.shuffle_rows=false",
+            "data.shuffle_row_groups=false",
+            "data.canonical_partitions=1",  # one partition: steps of stored rows in order, as in memory
+        ],
+        tmp_path / "files",
     )
     for key in ("train_loss_per_epoch", "test_loss_per_epoch", "params_sha256", "steps_per_rank"):
         assert files.summary[key] == memory.summary[key], key
@@ -148,8 +141,7 @@ def test_parquet_copy_trains_to_the_in_memory_loss_without_shuffling(tmp_path: P
 def test_a_corrupt_file_is_one_error_line_before_any_rank_starts(tmp_path: Path) -> None:
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not parquet at all")
-    run = run_dtf(["data=petastorm", f"data.path={bad}"], tmp_path / "run")
-    assert run.returncode == 2
+    run = run_dtf(["data=petastorm", f"data.path={bad}"], tmp_path / "run", expect=2)
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dtf: error: data.path=file://{bad}: {bad} is not a readable Parquet file (ArrowInvalid: ")
     assert "Traceback" not in run.stderr and not (tmp_path / "run" / "logs").exists()
@@ -197,20 +189,18 @@ def test_a_petastorm_hello_world_dataset_with_png_images_trains_on_2_ranks(
 ) -> None:
     hello, _, _ = user_data
     width = math.prod(user_datasets.IMAGE_SHAPE) + math.prod(user_datasets.ARRAY_SHAPE) + 1
-    run = ok(
-        run_dtf(
-            [
-                *USER_RUN,
-                "data=petastorm",
-                f"data.path={hello}",
-                "data.feature_columns=[image1,array_4d,weight]",
-                "data.label_column=label",
-                "data.transform=[{_target_:dtf.data.transforms.Scale,divisor:255}]",
-                f"model.in_features={width}",
-                "model.out_features=4",
-            ],
-            tmp_path / "run",
-        )
+    run = run_dtf(
+        [
+            *USER_RUN,
+            "data=petastorm",
+            f"data.path={hello}",
+            "data.feature_columns=[image1,array_4d,weight]",
+            "data.label_column=label",
+            "data.transform=[{_target_:dtf.data.transforms.Scale,divisor:255}]",
+            f"model.in_features={width}",
+            "model.out_features=4",
+        ],
+        tmp_path / "run",
     )
     assert "of a Petastorm dataset (codecs decoded)" in run.stdout
     check_counts(run, stored_rows(hello), 8)
@@ -221,21 +211,19 @@ def test_a_hive_partitioned_spark_ml_dataset_trains_and_tests_from_one_root_on_2
     tmp_path: Path, user_data: tuple[Path, Path, Path]
 ) -> None:
     _, hive, _ = user_data
-    run = ok(
-        run_dtf(
-            [
-                *USER_RUN,
-                "data=petastorm",
-                f"data.path={hive}",
-                "data.filters=[[split,'=',train]]",
-                "data.test_filters=[[split,'=',test]]",
-                "data.feature_columns=[features,bucket]",
-                "data.label_column=label",
-                f"model.in_features={user_datasets.VECTOR_SIZE + 1}",
-                "model.out_features=3",
-            ],
-            tmp_path / "run",
-        )
+    run = run_dtf(
+        [
+            *USER_RUN,
+            "data=petastorm",
+            f"data.path={hive}",
+            "data.filters=[[split,'=',train]]",
+            "data.test_filters=[[split,'=',test]]",
+            "data.feature_columns=[features,bucket]",
+            "data.label_column=label",
+            f"model.in_features={user_datasets.VECTOR_SIZE + 1}",
+            "model.out_features=3",
+        ],
+        tmp_path / "run",
     )
     check_counts(run, stored_rows(hive / "split=train"), 8)
     assert run.summary["final_test_loss"] is not None
@@ -246,20 +234,18 @@ def test_pandas_files_of_uneven_sizes_and_widths_with_an_empty_one_train_on_2_ra
     tmp_path: Path, user_data: tuple[Path, Path, Path]
 ) -> None:
     _, _, pandas_dir = user_data
-    run = ok(
-        run_dtf(
-            [
-                *USER_RUN,
-                "data=petastorm",
-                f"data.path={pandas_dir}",
-                f"data.test_path={pandas_dir}",
-                "data.feature_columns=[pixels,count,ratio]",
-                "data.label_column=label",
-                f"model.in_features={user_datasets.PIXELS + 2}",
-                "model.out_features=3",
-            ],
-            tmp_path / "run",
-        )
+    run = run_dtf(
+        [
+            *USER_RUN,
+            "data=petastorm",
+            f"data.path={pandas_dir}",
+            f"data.test_path={pandas_dir}",
+            "data.feature_columns=[pixels,count,ratio]",
+            "data.label_column=label",
+            f"model.in_features={user_datasets.PIXELS + 2}",
+            "model.out_features=3",
+        ],
+        tmp_path / "run",
     )
     assert stored_rows(pandas_dir) == sum(user_datasets.PANDAS_SIZES)
     check_counts(run, stored_rows(pandas_dir), 8)
@@ -282,11 +268,9 @@ print(sum(len(y) for _, y in data), "rows", flush=True)
 def test_process_workers_do_not_run_a_script_without_a_main_guard_again(tmp_path: Path, skewed: Path) -> None:
     # multiprocessing's spawn imports the program's __main__ in every worker: a script like this,
     # with no `if __name__ == "__main__":`, would run again in each, and start workers of its own.
-    import subprocess
     import sys
 
     script = tmp_path / "read.py"
     script.write_text(_NO_MAIN_GUARD)
-    run = subprocess.run([sys.executable, str(script), str(skewed)], capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_command([sys.executable, str(script), str(skewed)], cwd=tmp_path)
     assert run.stdout.count("the script's top level ran") == 1 and "1016 rows" in run.stdout, run.stdout

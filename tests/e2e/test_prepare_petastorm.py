@@ -4,37 +4,27 @@ own reader reads back exactly the arrays dtf builds in memory."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from dtf.data.prepare import build_splits
-from tests.conftest import dtf_env
+from tests.helpers.run_command import dtf_command, run_command
 from tests.helpers.side_venv import side_python
 from tests.helpers.user_datasets import petastorm_reads
 
 SETTINGS = ["--set", "num_points=1200", "--set", "num_test=200"]
-PREPARE = ["-m", "dtf.data.prepare", "scalar_field", "--format", "petastorm", "--rows-per-group", "250", *SETTINGS]
+PREPARE = dtf_command(
+    "scalar_field", "--format", "petastorm", "--rows-per-group", "250", *SETTINGS, module="dtf.data.prepare"
+)
 
 
 def test_petastorms_reader_reads_back_the_data_set_dtf_builds(tmp_path: Path) -> None:
     python = side_python("petastorm")
-    made = subprocess.run(
-        [sys.executable, "-m", "dtf.sideenv", "petastorm"], capture_output=True, text=True, env=dtf_env()
-    )
-    assert made.returncode == 0 and made.stdout.strip() == str(python), made.stderr  # made already: found at once
-    proc = subprocess.run(
-        [sys.executable, *PREPARE, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dtf_env(),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = run_command(dtf_command("petastorm", module="dtf.sideenv"))
+    assert made.stdout.strip() == str(python), made.stderr  # made already: found at once
+    proc = run_command([*PREPARE, "--out", str(tmp_path)], timeout=300, cwd=tmp_path)
     assert f"{tmp_path}/scalar_field/petastorm/train: 1000 rows, features [2] float32, label float32" in proc.stdout
     for split, (x, y) in build_splits("scalar_field", SETTINGS[1::2]).items():
         directory = tmp_path / "scalar_field" / "petastorm" / split

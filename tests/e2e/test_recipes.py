@@ -15,7 +15,6 @@ HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 def test_mnist_cnn_reaches_97_percent_on_the_real_digits_with_the_experiments_defaults(dtf) -> None:  # type: ignore[no-untyped-def]
     # Horovod's MNIST example's recipe on 2 ranks, as a user runs it: python -m dtf +experiment=digits_cnn
     run = dtf("+experiment=digits_cnn", "checkpoint.every_n_steps=null")
-    assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s["world_size"] == 2 and s["objective_name"] == "test/accuracy" and s["objective_mode"] == "max"
     assert s["objective"] == s["final_metrics"]["test/accuracy"] >= 0.97, s["final_metrics"]  # chance: 0.10
@@ -31,7 +30,6 @@ def test_fake_images_throughput_run(dtf) -> None:  # type: ignore[no-untyped-def
         "data.dataset.num_test=64",
         "trainer.max_epochs=1",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary["global_step"] == 4 and run.summary["samples_per_sec"] > 0
 
 
@@ -43,7 +41,6 @@ def test_several_modules_with_a_user_step_function(dtf) -> None:  # type: ignore
         "+trainer.step_fn._partial_=true",
         "trainer.max_epochs=3",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s["params_sha256_consistent"]
     assert s["final_test_loss"] < 0.5  # z = sin(y) + cos(x) has variance ~1; a trained net is far below
@@ -94,8 +91,7 @@ def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> Non
     # width 1280 adds 19.7 M parameters, 16 bytes each, on every rank).
     per_layer = 4 * 16 * 19.7e6
     layers = max(32, int((host_memory_available() or 0) / per_layer) + 1)
-    run = dtf("+recipe=sagemaker_vit", "model=vit_huge", f"model.num_hidden_layers={layers}", "strategy=ddp")
-    assert run.returncode == 2, run.stderr[-3000:]
+    run = dtf("+recipe=sagemaker_vit", "model=vit_huge", f"model.num_hidden_layers={layers}", "strategy=ddp", expect=2)
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("dtf: error: trainer.memory_check: the model's state needs"), lines[0]

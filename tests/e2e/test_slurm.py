@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,8 +18,9 @@ import optuna
 import pytest
 
 from dtf.sweep.study import open_storage
-from tests.conftest import SHORT_RUN, DtfRun, run_dtf
+from tests.conftest import SHORT_RUN
 from tests.helpers.clusters import run_script, script_cluster
+from tests.helpers.run_command import DtfRun, run_dtf
 
 SHORT = SHORT_RUN
 
@@ -30,11 +30,6 @@ def slurm_cluster() -> Iterator[str]:
     with script_cluster("local-slurm.sh", "SLURM_CONF") as conf, pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", conf)
         yield conf
-
-
-def _ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return run
 
 
 def _job_id(run: DtfRun) -> str:
@@ -47,7 +42,7 @@ def _job_id(run: DtfRun) -> str:
 # local ranks, tests/dist/test_strategies.py).
 def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(tmp_path: Path, short_local_run: DtfRun) -> None:
     local = short_local_run
-    slurm = _ok(run_dtf([*SHORT, "launcher=slurm"], tmp_path / "slurm"))
+    slurm = run_dtf([*SHORT, "launcher=slurm"], tmp_path / "slurm")
     job = _job_id(slurm)
     s = slurm.summary
     assert s["slurm_job_id"] == job and s["launcher"] == "slurm" and s["world_size"] == 2
@@ -65,7 +60,7 @@ def test_a_slurm_run_really_runs_under_slurm_and_equals_the_local_run(tmp_path: 
 
 
 def test_not_waiting_says_where_the_result_will_land_and_how_to_follow_the_job(tmp_path: Path) -> None:
-    run = _ok(run_dtf([*SHORT, "launcher=slurm", "launcher.wait=false"], tmp_path / "run"))
+    run = run_dtf([*SHORT, "launcher=slurm", "launcher.wait=false"], tmp_path / "run")
     job = _job_id(run)
     summary = tmp_path / "run" / "summary.json"
     said = run.stdout.strip().splitlines()[-1]
@@ -86,7 +81,6 @@ def test_a_sweep_submits_one_job_per_point_and_collects_them(tmp_path: Path) -> 
         tmp_path / "sweep",
         multirun=True,
     )
-    assert sweep.returncode == 0, sweep.stderr[-3000:]
     jobs = re.findall(r"submitted SLURM job (\d+)", sweep.stdout)
     assert len(set(jobs)) == 2
     # both were submitted before either was waited for: they could run side by side
@@ -100,8 +94,7 @@ def test_no_slurm_on_the_machine_is_one_line(dtf) -> None:  # type: ignore[no-un
     env_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not Path(p, "sbatch").exists())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PATH", env_path)
-        run = dtf("launcher=slurm")
-    assert run.returncode == 2
+        run = dtf("launcher=slurm", expect=2)
     assert run.stderr.strip().splitlines() == [
         "dtf: error: launcher=slurm: sbatch is not on PATH: run on a machine with SLURM's client tools "
         "(scripts/local-slurm.sh start sets up one here), or use launcher=local"
@@ -110,8 +103,7 @@ def test_no_slurm_on_the_machine_is_one_line(dtf) -> None:  # type: ignore[no-un
 
 @pytest.mark.parametrize("nodes", ["1", "1:2"])  # an elastic job asks each node for one task with every rank's CPUs
 def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf, nodes: str) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("launcher=slurm", "launcher.tasks_per_node=64", f"launcher.nodes={nodes}", timeout=120)
-    assert run.returncode == 2, run.stderr
+    run = dtf("launcher=slurm", "launcher.tasks_per_node=64", f"launcher.nodes={nodes}", timeout=120, expect=2)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "can never start" in lines[0] and "launcher.tasks_per_node" in lines[0]
     asked = "2 node(s)" if nodes == "1:2" else "1 node(s)"
@@ -124,11 +116,7 @@ def test_more_tasks_than_the_cluster_has_is_one_line_not_a_hang(dtf, nodes: str)
 def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path, short_local_run: DtfRun) -> None:
     local = short_local_run
     # salloc runs dtf inside a fresh allocation: dtf starts the ranks with srun instead of submitting
-    run = _ok(
-        run_dtf(
-            [*SHORT, "launcher=slurm"], tmp_path / "alloc", prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"]
-        )
-    )
+    run = run_dtf([*SHORT, "launcher=slurm"], tmp_path / "alloc", prefix=["salloc", "-n", "2"])
     assert "submitted SLURM job" not in run.stdout
     s = run.summary
     assert s["slurm_job_id"] and s["world_size"] == 2
@@ -137,8 +125,7 @@ def test_inside_an_allocation_the_ranks_start_in_place_with_srun(tmp_path: Path,
 
 def test_as_the_tasks_of_a_users_own_srun_each_process_is_a_rank(tmp_path: Path, short_local_run: DtfRun) -> None:
     # srun starts `python -m dtf` twice: each task is one rank, in place; rank 0 reports, rank 1 just ends
-    srun = ["salloc", "-n", "2", "srun", sys.executable, "-m", "dtf"]
-    run = _ok(run_dtf([*SHORT, "launcher=slurm"], tmp_path / "srun", prefix=srun))
+    run = run_dtf([*SHORT, "launcher=slurm"], tmp_path / "srun", prefix=["salloc", "-n", "2", "srun"])
     assert run.summary["world_size"] == 2 and run.summary["params_sha256"] == short_local_run.summary["params_sha256"]
     assert run.stdout.count("dtf: final train loss") == 1
 
@@ -150,9 +137,8 @@ def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tm
         [*SHORT, "launcher=slurm", "optimizer.lr=1e-3,2e-3"],
         sweep_dir,
         multirun=True,
-        prefix=["salloc", "-n", "2", sys.executable, "-m", "dtf"],
+        prefix=["salloc", "-n", "2"],
     )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "submitted SLURM job" not in run.stdout
     assert run.stdout.count("dtf: final train loss") == 2, run.stdout  # one line per run, from its rank 0
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
@@ -178,10 +164,9 @@ def test_a_rank_failing_under_slurm_is_named_in_one_line(
     tmp_path: Path, where: str, how: str, code: int, said: str
 ) -> None:
     args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", f"+model.how={how}", "launcher=slurm"]
-    prefix = ["salloc", "-n", "2", sys.executable, "-m", "dtf"] if where == "in an allocation" else None
+    prefix = ["salloc", "-n", "2"] if where == "in an allocation" else []
     t0 = time.monotonic()
-    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=prefix)
-    assert run.returncode == code, run.stderr[-3000:]
+    run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=prefix, expect=code)
     errors = [line for line in run.stderr.splitlines() if line.startswith("dtf: error:")]
     assert len(errors) == 1 and errors[0].startswith(f"dtf: error: {said}"), run.stderr[-3000:]
     assert run.stderr.count("Traceback (most recent call last)") == (1 if how == "raise" else 0), run.stderr
@@ -207,12 +192,10 @@ class SlowExitModel(FailingModel):
 def test_waiting_for_a_job_returns_once_it_has_left_the_queue(tmp_path: Path) -> None:
     (tmp_path / "slow_exit.py").write_text(SLOW_EXIT_MODEL)
     args = ["model._target_=slow_exit.SlowExitModel", "+model.fail_rank=-1", "+model.exit_delay_s=3"]
-    run = _ok(
-        run_dtf(
-            [*SHORT, *args, "launcher=slurm", "launcher.tasks_per_node=1"],
-            tmp_path / "run",
-            extra_pythonpath=[tmp_path],
-        )
+    run = run_dtf(
+        [*SHORT, *args, "launcher=slurm", "launcher.tasks_per_node=1"],
+        tmp_path / "run",
+        extra_pythonpath=[tmp_path],
     )
     job = _job_id(run)
     # right after dtf returned: the job has ended (not RUNNING, not COMPLETING with steps still cleaning up)
@@ -367,7 +350,7 @@ def test_a_dtf_sweeps_trials_are_slurm_jobs_side_by_side(tmp_path: Path) -> None
         "hydra.sweeper.parallel=2",
         "optimizer.lr=tag(log,interval(1e-4,1e-2))",
     ]
-    run = _ok(run_dtf(args, sweep_dir, multirun=True, timeout=400))
+    run = run_dtf(args, sweep_dir, multirun=True, timeout=400)
     assert "2 completed" in run.stdout, run.stdout
     records = [json.loads((sweep_dir / str(n) / "trial.json").read_text()) for n in range(2)]
     assert all(r["state"] == "complete" for r in records)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from dtf.dist.env import free_port
-from tests.conftest import SHORT_RUN, TEST_DEFAULTS, DtfRun, dtf_env, run_dtf
+from tests.conftest import SHORT_RUN
 from tests.helpers.clusters import script_cluster
+from tests.helpers.run_command import TEST_DEFAULTS, DtfRun, dtf_command, dtf_env, run_command, run_dtf, start_command
 
 SHORT = SHORT_RUN
 
@@ -25,16 +26,11 @@ def master() -> Iterator[str]:
         yield url
 
 
-def _ok(run: DtfRun) -> DtfRun:
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return run
-
-
 def test_ranks_as_spark_barrier_tasks_give_the_local_result(
     tmp_path: Path, master: str, short_local_run: DtfRun
 ) -> None:
     local = short_local_run
-    spark = _ok(run_dtf([*SHORT, "launcher=spark", f"launcher.master={master}"], tmp_path / "spark"))
+    spark = run_dtf([*SHORT, "launcher=spark", f"launcher.master={master}"], tmp_path / "spark")
     s = spark.summary
     assert s["launcher"] == "spark" and s["world_size"] == 2
     assert s["params_sha256"] == local.summary["params_sha256"]
@@ -53,12 +49,10 @@ def test_a_users_module_on_a_relative_pythonpath_imports_on_the_executors(tmp_pa
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     shutil.copy(Path(__file__).parents[1] / "helpers" / "wide.py", pkg / "nets.py")
-    run = _ok(
-        run_dtf(
-            [*SHORT, "launcher=spark", f"launcher.master={master}", "model._target_=mypkg.nets.Wide"],
-            tmp_path / "run",
-            extra_pythonpath=[Path("userland")],  # relative to the driver's working directory
-        )
+    run = run_dtf(
+        [*SHORT, "launcher=spark", f"launcher.master={master}", "model._target_=mypkg.nets.Wide"],
+        tmp_path / "run",
+        extra_pythonpath=[Path("userland")],  # relative to the driver's working directory
     )
     assert run.summary["launcher"] == "spark" and run.summary["world_size"] == 2
 
@@ -82,8 +76,8 @@ def test_a_rank_that_raises_fails_the_run_with_its_error(
             f"+model.how={how}",
         ],
         tmp_path / "run",
+        expect=code,
     )
-    assert run.returncode == code, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith(f"dtf: error: {said}"), run.stderr
     # the rank that failed first is named, not the peer Spark reports; as on every launcher, its
@@ -93,8 +87,7 @@ def test_a_rank_that_raises_fails_the_run_with_its_error(
 
 
 def test_an_unreachable_master_is_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
-    run = dtf("launcher=spark", "launcher.master=spark://127.0.0.1:9")
-    assert run.returncode == 2
+    run = dtf("launcher=spark", "launcher.master=spark://127.0.0.1:9", expect=2)
     assert run.stderr.strip().splitlines() == [
         "dtf: error: launcher.master=spark://127.0.0.1:9: no Spark master answers there; start one "
         "(scripts/local-spark.sh start prints a URL) or fix the URL"
@@ -108,8 +101,9 @@ WAITING = "+launcher.spark_conf={spark.scheduler.maxRegisteredResourcesWaitingTi
 def test_more_ranks_than_task_slots_is_one_line_not_a_hang(tmp_path: Path, master: str) -> None:
     import re
 
-    run = run_dtf(["launcher=spark", f"launcher.master={master}", "launcher.nproc=3", WAITING], tmp_path / "run")
-    assert run.returncode == 2, run.stderr
+    run = run_dtf(
+        ["launcher=spark", f"launcher.master={master}", "launcher.nproc=3", WAITING], tmp_path / "run", expect=2
+    )
     assert re.fullmatch(  # 2 once both executors have registered (on a busy machine, maybe not yet)
         r"dtf: error: launcher\.nproc=3 is more than the Spark cluster's task slots: it had [012] after waiting 8 s "
         r"for executors to register \(spark\.scheduler\.maxRegisteredResourcesWaitingTime\); a barrier stage needs "
@@ -154,30 +148,16 @@ def test_a_run_started_before_the_clusters_workers_waits_for_their_executors(tmp
         deadline = time.monotonic() + 60
         while "I have been elected leader" not in (tmp_path / "Master.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        log = open(tmp_path / "run.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "dtf", *TEST_DEFAULTS, *SHORT, "launcher=spark", f"launcher.master={url}"]
-        run = subprocess.Popen([*cmd, f"hydra.run.dir={tmp_path / 'run'}"], stdout=log, stderr=log, env=dtf_env())
-        deadline = time.monotonic() + 120  # the run's application has registered with the master ...
-        while "Registering app" not in (tmp_path / "Master.log").read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(10)  # ... and waited longer than Spark's own barrier check does (3 times 2 s)
-        (tmp_path / "work").mkdir()
-        start(
-            "org.apache.spark.deploy.worker.Worker",
-            "--host",
-            "127.0.0.1",
-            "--cores",
-            "2",
-            "--memory",
-            "2g",
-            "--webui-port",
-            "0",
-            "--work-dir",
-            str(tmp_path / "work"),
-            url,
-        )
-        code = run.wait(timeout=300)
-        assert code == 0, (tmp_path / "run.log").read_text()[-3000:]
+        args = [*TEST_DEFAULTS, *SHORT, "launcher=spark", f"launcher.master={url}", f"hydra.run.dir={tmp_path / 'run'}"]
+        with start_command(dtf_command(*args), tmp_path / "run.log") as run:
+            deadline = time.monotonic() + 120  # the run's application has registered with the master ...
+            while "Registering app" not in (tmp_path / "Master.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(10)  # ... and waited longer than Spark's own barrier check does (3 times 2 s)
+            (tmp_path / "work").mkdir()
+            worker = ["--host", "127.0.0.1", "--cores", "2", "--memory", "2g", "--webui-port", "0"]
+            start("org.apache.spark.deploy.worker.Worker", *worker, "--work-dir", str(tmp_path / "work"), url)
+            run.finish(0, timeout=300)
     finally:
         for daemon in daemons:
             with contextlib.suppress(ProcessLookupError):
@@ -188,24 +168,11 @@ def test_a_run_started_before_the_clusters_workers_waits_for_their_executors(tmp
 
 @pytest.mark.parametrize(
     "command",
-    [
-        ["-m", "dtf", "launcher=spark", "trainer.max_steps=2"],
-        ["-m", "dtf.data.prepare", "digits", "--format", "petastorm"],
-    ],
+    [["dtf", "launcher=spark", "trainer.max_steps=2"], ["dtf.data.prepare", "digits", "--format", "petastorm"]],
 )
 def test_without_java_spark_is_refused_in_one_line_naming_it(tmp_path: Path, command: list[str]) -> None:
-    import subprocess
-    import sys
-
-    from tests.conftest import dtf_env
-
-    env = dtf_env()
-    env.pop("JAVA_HOME", None)
-    env["PATH"] = str(tmp_path)  # no java anywhere on it
-    proc = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    no_java = {"JAVA_HOME": None, "PATH": str(tmp_path)}  # no java anywhere on PATH
+    proc = run_command(dtf_command(*command[1:], module=command[0]), expect=2, timeout=120, cwd=tmp_path, env=no_java)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dtf: error:") and "Java" in lines[0], proc.stderr[-2000:]
 
@@ -231,7 +198,7 @@ def test_a_dtf_sweeps_trial_runs_as_a_spark_stage_and_reports_from_an_executor(t
         "hydra.sweeper.pruner=median",
         "optimizer.lr=tag(log,interval(1e-4,1e-2))",
     ]
-    run = _ok(run_dtf(args, sweep_dir, multirun=True, timeout=400))
+    run = run_dtf(args, sweep_dir, multirun=True, timeout=400)
     assert "1 completed" in run.stdout, run.stdout
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["launcher"] == "spark" and summary["pruned"] is False
@@ -268,11 +235,6 @@ def test_the_horovodrunner_notebook_runs_its_ranks_on_the_notebooks_spark_sessio
 
 def test_a_master_other_than_the_active_sessions_is_one_error(tmp_path: Path) -> None:
     # Spark keeps one session per process and would silently run on it: say so instead.
-    import subprocess
-    import sys
-
-    from tests.conftest import dtf_env
-
     body = (
         "import os, sys, dtf\n"
         "os.environ['PYSPARK_PYTHON'] = sys.executable\n"
@@ -283,10 +245,7 @@ def test_a_master_other_than_the_active_sessions_is_one_error(tmp_path: Path) ->
         "except dtf.UserError as e:\n"
         "    print('UserError:', e)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", body], cwd=tmp_path, env=dtf_env(), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_command([sys.executable, "-c", body], cwd=tmp_path, timeout=300)
     assert (
         "UserError: launcher.master=local[2], but this process already has a SparkSession on local[1]" in done.stdout
     ), done.stdout

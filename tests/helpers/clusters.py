@@ -63,12 +63,6 @@ def script_cluster(
             run_script(script, "stop", env, timeout=120)
 
 
-def dtf_test_env() -> dict[str, str]:
-    from tests.conftest import dtf_env
-
-    return dtf_env()
-
-
 def preempt_and_requeue(
     cmd: list[str], run_dir: Path, out: Path, on_cluster: Callable[[list[str]], list[str]] = lambda c: c
 ) -> str:
@@ -78,20 +72,15 @@ def preempt_and_requeue(
     controller (as it is, or on a host of scripts/local-hosts.sh). Returns the driver's output."""
     import time
 
-    with open(out, "w") as f:
-        proc = subprocess.Popen(
-            [*cmd, f"hydra.run.dir={run_dir}"], stdout=f, stderr=subprocess.STDOUT, env=dtf_test_env()
-        )
-    try:
+    from tests.helpers.run_command import start_command
+
+    with start_command([*cmd, f"hydra.run.dir={run_dir}"], out) as proc:
         deadline = time.monotonic() + 180
         while "rank(s), strategy=" not in out.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         time.sleep(1.5)
         preempt(proc, out, on_cluster, deadline)
-        assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.finish(0, timeout=300)
     return out.read_text()
 
 

@@ -1,6 +1,9 @@
-"""Train in this very process, on one rank (a process group of one): the whole loop, checkpoints
-and resume included, in about a second, without starting any process. For the trainer's own
-logic (positions, budgets, schedules, accumulation), where a subprocess run would only add time.
+"""compose: dtf's config as `python -m dtf` composes it, in process; compose_config: validated and
+frozen, as a rank runs it.
+
+train_in_process trains in this very process, on one rank (a process group of one): the whole loop,
+checkpoints and resume included, in about a second, without starting any process. For the trainer's
+own logic (positions, budgets, schedules, accumulation), where a subprocess run would only add time.
 
 train_on_ranks does the same on N gloo ranks in child processes: each rank runs the rank's own
 body (dtf.train.loop.run) for a list of runs in a row, so the ranks start once (a few seconds) and
@@ -15,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_module
+import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dtf.config import store
@@ -23,13 +26,20 @@ from dtf.config import store
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def compose(*overrides: str) -> DictConfig:
+    """The config `python -m dtf <overrides>` composes (Hydra's compose API on dtf's tree), as
+    composed: neither validated nor frozen. The tests' one way to compose it in process."""
+    store.register()
+    with hydra.initialize_config_module("dtf.conf", version_base="1.3"):
+        return hydra.compose("config", overrides=list(overrides))
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
-    """The config `python -m dtf <overrides>` would run, validated and frozen as the driver does."""
+    """The config `python -m dtf <overrides>` would run on one rank, validated and frozen as the
+    driver does (the `composed` fixture: each composed once per session)."""
     from dtf.preflight import validate
 
-    store.register()
-    with initialize_config_module("dtf.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["launcher.nproc=1", "trainer.progress=off", *overrides])
+    cfg = compose("launcher.nproc=1", "trainer.progress=off", *overrides)
     validate(cfg)
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 
 from dtf.errors import UserError
 from tests.helpers.inprocess import compose_config, train_in_process
@@ -19,8 +21,8 @@ from tests.helpers.inprocess import compose_config, train_in_process
 SMALL = ["data.dataset.num_points=2400", "data.dataset.num_test=400", "checkpoint.every_n_steps=null"]
 
 
-def _mse(weights: Path, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model = instantiate(compose_config(SMALL).model)
+def _mse(cfg: DictConfig, weights: Path, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model = instantiate(cfg.model)
     model.load_state_dict(torch.load(weights, weights_only=True))
     x = torch.stack([s[0] for s in samples])
     y = torch.stack([torch.as_tensor(s[1]) for s in samples]).to(torch.get_default_dtype())
@@ -42,18 +44,18 @@ def test_fast_runs_two_steps_and_keeps_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model.pt").exists()
 
 
-def test_limits_keep_the_first_batches_of_each_split(tmp_path: Path) -> None:
+def test_limits_keep_the_first_batches_of_each_split(tmp_path: Path, composed: Any) -> None:
     s = train_in_process(
         [*SMALL, "debug=limit", "trainer.limit_eval_batches=2", "trainer.export_weights=true"], tmp_path / "run"
     )
     assert s["data_batches_per_epoch"] == 6 and s["global_step"] == 3 * 6  # int(0.1 x 63) of each epoch
     assert s["samples_seen"] == 3 * 6 * 32
-    _, test = instantiate(compose_config(SMALL).data.dataset)
+    _, test = instantiate(composed(*SMALL).data.dataset)
     first = [test[i] for i in range(2 * 32)]  # one rank evaluates the test set in its order
-    assert s["final_test_loss"] == pytest.approx(_mse(tmp_path / "run" / "model.pt", first), rel=1e-5)
+    assert s["final_test_loss"] == pytest.approx(_mse(composed(*SMALL), tmp_path / "run" / "model.pt", first), rel=1e-5)
 
 
-def test_overfit_trains_and_evaluates_on_the_same_few_batches(tmp_path: Path) -> None:
+def test_overfit_trains_and_evaluates_on_the_same_few_batches(tmp_path: Path, composed: Any) -> None:
     from dtf.data import loader
     from dtf.dist.env import DistEnv
 
@@ -70,7 +72,7 @@ def test_overfit_trains_and_evaluates_on_the_same_few_batches(tmp_path: Path) ->
     train.set_epoch(0)
     batches = [b for _, b in zip(range(3), train, strict=False)]
     samples = [(x, y) for bx, by in batches for x, y in zip(bx, by, strict=True)]
-    assert curve[-1] == pytest.approx(_mse(tmp_path / "run" / "model.pt", samples), rel=1e-5)
+    assert curve[-1] == pytest.approx(_mse(composed(*SMALL), tmp_path / "run" / "model.pt", samples), rel=1e-5)
 
 
 def test_profile_writes_a_chrome_trace_of_the_active_steps(tmp_path: Path) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from dtf.errors import UserError
 from dtf.preflight import validate
-from tests.helpers.inprocess import train_in_process
+from tests.helpers.inprocess import compose, train_in_process
 
 # scikit-learn's digits: 1,438 training and 359 test images; a few steps of the Horovod CNN.
 DIGITS = ["+experiment=digits_cnn", "scheduler=none", "data.batch_size=32", "checkpoint.every_n_steps=null"]
@@ -108,11 +106,6 @@ def test_training_metrics_resume_exactly_mid_epoch(tmp_path: Path, stop_at: int)
     assert {"train/accuracy", "train/auroc", "test/accuracy"} <= set(straight["final_metrics"])
 
 
-def _validate(*overrides: str) -> Any:
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        return validate(compose(config_name="config", overrides=list(overrides)))
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -133,7 +126,7 @@ def _validate(*overrides: str) -> Any:
 )
 def test_metrics_that_cannot_work_are_refused_on_the_driver(overrides: list[str], message: str) -> None:
     with pytest.raises(UserError) as e:
-        _validate(*overrides)
+        validate(compose(*overrides))
     assert message in str(e.value)
 
 
@@ -155,8 +148,7 @@ def test_the_ranks_refuse_the_metrics_classes_the_driver_of_a_local_run_leaves_t
     from dtf.errors import EveryRankUserError
     from dtf.train.metrics import Metrics
 
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose(*overrides)
     check(cfg, starting=True)  # a local run's driver: the classes are the ranks' to check
     with pytest.raises(EveryRankUserError) as e:
         Metrics.build(cfg.metrics, torch.device("cpu"), cfg.loss)
@@ -175,8 +167,7 @@ def test_settings_a_torchmetrics_class_refuses_are_one_line_naming_the_metric(ov
     from dtf.errors import EveryRankUserError
     from dtf.train.metrics import Metrics
 
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[override])
+    cfg = compose(override)
     with pytest.raises(EveryRankUserError) as e:
         Metrics.build(cfg.metrics, torch.device("cpu"), cfg.loss)
     line = str(e.value)
@@ -208,9 +199,9 @@ def test_the_driver_of_a_local_run_does_not_import_torchmetrics_and_dtf_validate
 
 
 def test_metrics_and_objectives_that_fit_are_accepted() -> None:
-    _validate("+experiment=digits_cnn", "metrics=[accuracy,f1,auroc]", "trainer.objective=test/f1")
-    _validate("trainer.objective=train/rmse", "trainer.train_metrics=true")
-    _validate("metrics=none", "loss=nll", "trainer.objective=train/loss")
+    validate(compose("+experiment=digits_cnn", "metrics=[accuracy,f1,auroc]", "trainer.objective=test/f1"))
+    validate(compose("trainer.objective=train/rmse", "trainer.train_metrics=true"))
+    validate(compose("metrics=none", "loss=nll", "trainer.objective=train/loss"))
 
 
 def test_a_rank_imports_torchmetrics_only_for_a_run_with_metrics() -> None:

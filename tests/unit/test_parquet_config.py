@@ -8,24 +8,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
 
-from dtf.config import store
 from dtf.config.typed import typed
 from dtf.data import prepare
 from dtf.data.parquet import data as parquet
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.preflight import validate
+from tests.helpers.inprocess import compose
 from tests.helpers.parquet_files import write_skewed
-
-
-def make(*overrides: str) -> DictConfig:
-    store.register()  # dtf's schemas, as `python -m dtf` registers them
-    with initialize_config_module(config_module="dtf.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +26,14 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed: Path) -> None:
-    cfg = make("data=petastorm", f"data.path={skewed}", "data.feature_columns=[features,x]", "data.remainder=pad")
+    cfg = compose("data=petastorm", f"data.path={skewed}", "data.feature_columns=[features,x]", "data.remainder=pad")
     validate(cfg)
     assert (cfg.data.path, list(cfg.data.feature_columns), cfg.data.remainder.value) == (
         str(skewed),
         ["features", "x"],
         "pad",
     )
-    cnn = make("+experiment=digits_cnn", "data=petastorm", f"data.path={skewed}")
+    cnn = compose("+experiment=digits_cnn", "data=petastorm", f"data.path={skewed}")
     assert cnn.model._target_.endswith("MnistCNN") and cnn.data.path == str(skewed)
 
 
@@ -70,19 +62,19 @@ def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed:
 def test_the_driver_refuses_bad_settings_in_one_line_naming_the_key(
     skewed: Path, overrides: list[str], start: str
 ) -> None:
-    cfg = make("data=petastorm", *(o.format(skewed=skewed) for o in overrides))
+    cfg = compose("data=petastorm", *(o.format(skewed=skewed) for o in overrides))
     with pytest.raises(UserError) as err:
         validate(cfg)
     assert str(err.value).startswith(start) and "\n" not in str(err.value)
 
 
 def test_driver_accepts_what_fits_the_world_size(skewed: Path) -> None:
-    validate(make("data=petastorm", f"data.path={skewed}", "data.batch_size=500", "launcher.nproc=2"))
+    validate(compose("data=petastorm", f"data.path={skewed}", "data.batch_size=500", "launcher.nproc=2"))
 
 
 def test_options_outside_the_choices_fail_at_composition() -> None:
     with pytest.raises(ConfigCompositionException) as err:
-        make("data=petastorm", "data.remainder=keep")
+        compose("data=petastorm", "data.remainder=keep")
     assert "drop" in str(err.value.__cause__) and "pad" in str(err.value.__cause__)
 
 
@@ -96,34 +88,18 @@ def test_prepare_writes_parquet_that_trains_like_the_in_memory_data(
     # the printed command trains as it is (the digits need the CNN experiment that reads them)
     command = next(line for line in out.splitlines() if line.startswith("train on it: ")).removeprefix("train on it: ")
     import shlex
-    import subprocess
-    import sys
 
-    from tests.conftest import TEST_DEFAULTS, dtf_env
+    from tests.helpers.run_command import run_dtf
 
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "dtf"]
-    run = subprocess.run(
-        [
-            sys.executable,
-            *argv[1:],
-            *TEST_DEFAULTS,
-            "trainer.max_steps=2",
-            "launcher.nproc=1",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dtf_env(),
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_dtf([*argv[3:], "trainer.max_steps=2", "launcher.nproc=1"], tmp_path / "run")
     train = tmp_path / "digits" / "parquet" / "train" / "part-00000.parquet"
     meta = pq.ParquetFile(train).metadata
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     assert sizes == [300, 300, 299] and sum(sizes) == 899  # 1797 - round(1797 * 0.5)
     assert json.loads(pq.read_schema(train).metadata[b"dtf.shapes"]) == {"features": [1, 28, 28]}
-    cfg = make("data=petastorm", f"data.path={train.parent}", f"data.test_path={train.parent.parent / 'test'}")
+    cfg = compose("data=petastorm", f"data.path={train.parent}", f"data.test_path={train.parent.parent / 'test'}")
     data, test = parquet.build(typed(cfg).data, DistEnv(0, 1, 0, torch.device("cpu")), seed=0)
     x, y = next(iter(data))
     assert x.shape == (32, 1, 28, 28) and y.dtype == torch.int64 and test is not None
@@ -145,7 +121,7 @@ def test_prepare_writes_a_petastorm_dataset_that_make_reader_reads_like_the_parq
     batches = {}
     for fmt in ("parquet", "petastorm"):
         base = tmp_path / "scalar_field" / fmt
-        cfg = make(
+        cfg = compose(
             "data=petastorm",
             f"data.path={base / 'train'}",
             f"data.test_path={base / 'test'}",
@@ -185,7 +161,9 @@ def test_workers_count_auto_takes_a_second_worker_only_where_a_codec_decodes(ske
     assert parquet._workers("auto", src, ["label", "raw"], row_reader=True) == 1  # type: ignore[arg-type]
     assert parquet._workers("auto", src, ["image"], row_reader=False) == 1  # type: ignore[arg-type]
     assert parquet._workers(3, src, ["label"], row_reader=True) == 3  # type: ignore[arg-type]
-    train, _ = parquet.build(make("data=parquet", f"data.path={skewed}").data, DistEnv(0, 1, 0, torch.device("cpu")), 0)
+    train, _ = parquet.build(
+        compose("data=parquet", f"data.path={skewed}").data, DistEnv(0, 1, 0, torch.device("cpu")), 0
+    )
     assert train.stream.reader.workers_count == 1  # type: ignore[attr-defined]
     with pytest.raises(UserError, match=r"data\.workers_count=0 is invalid: use auto or 1 or more"):
-        typed(make("data=parquet", f"data.path={skewed}", "data.workers_count=0"))
+        typed(compose("data=parquet", f"data.path={skewed}", "data.workers_count=0"))
