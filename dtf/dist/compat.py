@@ -17,7 +17,9 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # once, at the start (the old name's False skips that too: the same when every rank builds the
 # model alike, as dtf's ranks do).
 DDP_SYNC_BUFFERS = next(
-    n for n in ("forward_sync_buffers", "broadcast_buffers") if n in inspect.signature(DistributedDataParallel).parameters
+    n
+    for n in ("forward_sync_buffers", "broadcast_buffers")
+    if n in inspect.signature(DistributedDataParallel).parameters
 )
 
 

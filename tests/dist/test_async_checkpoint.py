@@ -30,7 +30,9 @@ def _saves_alike(rank: int, world_size: int, root: Path) -> None:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
     sync = Checkpointer(CheckpointConfig(keep_last=3), root / "sync", env, strategy_name="ddp")
-    in_background = Checkpointer(CheckpointConfig(async_save=True, keep_last=3), root / "async", env, strategy_name="ddp")
+    in_background = Checkpointer(
+        CheckpointConfig(async_save=True, keep_last=3), root / "async", env, strategy_name="ddp"
+    )
     writer = in_background.writer
     assert writer is not None
     copied = []

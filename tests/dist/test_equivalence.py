@@ -14,8 +14,17 @@ from dtf.models.approximator import Approximator
 
 
 def plain_loop(
-    *, world_size: int, batch_size: int, epochs: int, lr: float, optimizer: str, lr_scale: float,
-    accum: int = 1, max_steps: int | None = None, clip: float | None = None, warmup_steps: int = 0,
+    *,
+    world_size: int,
+    batch_size: int,
+    epochs: int,
+    lr: float,
+    optimizer: str,
+    lr_scale: float,
+    accum: int = 1,
+    max_steps: int | None = None,
+    clip: float | None = None,
+    warmup_steps: int = 0,
     seed: int = 0,
 ) -> tuple[float, float, dict[str, torch.Tensor]]:
     """One process, no torch.distributed: each step sees the union of what the ranks would see."""
@@ -23,7 +32,9 @@ def plain_loop(
     model = Approximator()
     train, test = scalar_field()
     params = model.parameters()
-    opt = torch.optim.Adam(params, lr=lr * lr_scale) if optimizer == "adam" else torch.optim.SGD(params, lr=lr * lr_scale)
+    opt = (
+        torch.optim.Adam(params, lr=lr * lr_scale) if optimizer == "adam" else torch.optim.SGD(params, lr=lr * lr_scale)
+    )
     sched = torch.optim.lr_scheduler.LinearLR(opt, 1 / lr_scale, total_iters=warmup_steps) if warmup_steps else None
     mse = torch.nn.MSELoss()
     step = 0
@@ -63,15 +74,34 @@ def plain_loop(
 
 
 CASES = {
-    "adam-linear": dict(args=["data.batch_size=32", "trainer.max_epochs=2"],
-                        loop=dict(batch_size=32, epochs=2, lr=1e-3, optimizer="adam", lr_scale=2.0)),
+    "adam-linear": dict(
+        args=["data.batch_size=32", "trainer.max_epochs=2"],
+        loop=dict(batch_size=32, epochs=2, lr=1e-3, optimizer="adam", lr_scale=2.0),
+    ),
     "sgd-sqrt-accum-clip-warmup-maxsteps": dict(
-        args=["optimizer=sgd", "optimizer.lr=0.05", "trainer.lr_scaling=sqrt", "data.batch_size=16",
-              "trainer.grad_accum_steps=2", "trainer.grad_clip_norm=0.5", "trainer.warmup_steps=10",
-              "trainer.max_steps=150"],
+        args=[
+            "optimizer=sgd",
+            "optimizer.lr=0.05",
+            "trainer.lr_scaling=sqrt",
+            "data.batch_size=16",
+            "trainer.grad_accum_steps=2",
+            "trainer.grad_clip_norm=0.5",
+            "trainer.warmup_steps=10",
+            "trainer.max_steps=150",
+        ],
         # the global batch is 2 ranks x 2 micro-batches x 16: sqrt scaling multiplies the LR by sqrt(4)
-        loop=dict(batch_size=16, epochs=0, lr=0.05, optimizer="sgd", lr_scale=math.sqrt(2 * 2), accum=2,
-                  clip=0.5, warmup_steps=10, max_steps=150)),
+        loop=dict(
+            batch_size=16,
+            epochs=0,
+            lr=0.05,
+            optimizer="sgd",
+            lr_scale=math.sqrt(2 * 2),
+            accum=2,
+            clip=0.5,
+            warmup_steps=10,
+            max_steps=150,
+        ),
+    ),
 }
 
 

@@ -6,8 +6,6 @@ order). A checkpoint of another model is refused in one line naming the first ke
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +13,8 @@ import pytest
 import yaml
 
 from dtf.errors import UserError
-from tests.conftest import dtf_env
 from tests.helpers.inprocess import compose_config, group_of_one, train_on_ranks
+from tests.helpers.run_command import dtf_command, run_command
 
 TRAINED = [
     "data.dataset.num_points=2400",
@@ -42,14 +40,9 @@ def test_a_checkpoint_of_4_fsdp_ranks_evaluated_on_1_ddp_rank_gives_the_reported
     fsdp4: tuple[Path, dict[str, Any]],
 ) -> None:
     run_dir, s = fsdp4
-    out = subprocess.run(
-        [sys.executable, "-m", "dtf.eval", str(run_dir), "strategy=ddp", "launcher.nproc=1", "trainer.progress=off"],
-        capture_output=True,
-        text=True,
-        env=dtf_env(),
-        timeout=300,
+    out = run_command(
+        dtf_command(run_dir, "strategy=ddp", "launcher.nproc=1", "trainer.progress=off", module="dtf.eval"), timeout=300
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / f"step_{s['global_step']:09d}"
     record = json.loads((checkpoint / "eval.json").read_text())
     assert record["trained_on"] == {"world_size": 4, "strategy": "fsdp"}
@@ -62,8 +55,8 @@ def test_a_checkpoint_of_4_fsdp_ranks_evaluated_on_1_ddp_rank_gives_the_reported
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_key(fsdp4: tuple[Path, dict[str, Any]]) -> None:
-    from dtf.train import evaluate as evaluation
     from dtf.config.typed import typed
+    from dtf.train import evaluate as evaluation
 
     run_dir, s = fsdp4
     checkpoint = run_dir / "checkpoints" / f"step_{s['global_step']:09d}"

@@ -45,8 +45,9 @@ def _function_run(name: str, overrides: list[str], root: Path, env: Any, payload
 
 
 def _sampler_runs(rank: int, root: Path, env: Any) -> None:
-    from dtf.train.function import SHIPPED, Payload
     from returned_values import Indexed, indices_seen
+
+    from dtf.train.function import SHIPPED, Payload
 
     for kind in SAMPLERS:
         sink: list[int] = []

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from dtf.sweep import report
 from tests.conftest import REPO, dtf_env
+from tests.helpers.run_command import dtf_command, run_command
 
 
 def summary(
@@ -268,20 +269,8 @@ def test_without_matplotlib_the_table_is_still_written(hpo_sweep: Path, monkeypa
     assert not list(hpo_sweep.glob("*.png"))
 
 
-def run_report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dtf.sweep.report", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env=dtf_env(),
-    )
-
-
 def test_the_command_writes_the_report_and_says_where(hpo_sweep: Path) -> None:
-    proc = run_report("multirun", cwd=hpo_sweep.parent)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_command(dtf_command("multirun", module="dtf.sweep.report"), cwd=hpo_sweep.parent, timeout=120)
     assert proc.stdout == "dtf: sweep report: multirun/report.md\n"
     assert (hpo_sweep / "report.md").exists()
 
@@ -296,8 +285,7 @@ def test_a_bad_dir_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
         (target / "summary.json").write_text("{}")
     elif case == "empty":
         target.mkdir()
-    proc = run_report(str(target), cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
+    proc = run_command(dtf_command(target, module="dtf.sweep.report"), cwd=tmp_path, timeout=120, expect=2)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtf: error: {target} "), proc.stderr
     assert "Traceback" not in proc.stderr and not (target / "report.md").exists()
