@@ -57,10 +57,11 @@ CLUSTER_FILES = {
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that start real processes and clusters (tests/e2e, tests/dist) are slow by where they
-    live: `make test-fast` (-m "not slow") runs the in-process ones; `make test` runs everything.
+    live: `make test-fast` (-m "not slow") runs the rest (tests/unit, tests/config: mostly in
+    process, some with gloo ranks or short child processes); `make test` runs everything.
 
     They also run first, the cluster files first of all (one long chain in one worker): with two
-    xdist workers the short in-process tests come last and fill whichever worker is free, instead
+    xdist workers the short tests come last and fill whichever worker is free, instead
     of one worker finishing a long file while the other waits."""
 
     def slow(item: pytest.Item) -> bool:
