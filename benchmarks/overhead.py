@@ -267,7 +267,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (the default job's)")
     p.add_argument("--batch-sizes", help="comma-separated: compare at each, then a table")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank: --nproc at most the GPUs)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu, or cuda (one GPU per rank: --nproc at most the GPUs)",
+    )
     p.add_argument("--baseline", help="another dtf checkout, run in turn with this one: the ratio this / baseline")
     p.add_argument("--own-time", action="store_true", help="only dtf's own cost per step, in one process")
     args = p.parse_args()

@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--out", required=True)
     p.add_argument("--floor", action="store_true", help="batches by indexing the tensors: no DataLoader")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank, NCCL)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu, or cuda (one GPU per rank, NCCL)")
     args = p.parse_args()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))

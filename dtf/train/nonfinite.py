@@ -155,8 +155,7 @@ class NonFiniteGuard:
             host = torch.empty((), pin_memory=True)
             host.copy_(flag, non_blocking=True)
             event: torch.cuda.Event | None = torch.cuda.Event()
-            assert event is not None
-            event.record()
+            event.record()  # type: ignore[union-attr]
         else:
             host, event = flag.clone(), None
         self._pending.append(Pending(step, host, event, payload))
