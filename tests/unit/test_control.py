@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 from types import SimpleNamespace
+from typing import Any
 
 import torch.distributed as dist
 
@@ -105,3 +106,67 @@ def _ranks_with_different_clocks(rank: int, world: int) -> None:
 
 def test_ranks_exchange_at_the_same_steps_whatever_their_clocks() -> None:
     run_on_ranks(_ranks_with_different_clocks, 2)
+
+
+def _epochs(
+    control: StepControl,
+    clock: Clock,
+    stop: Stop,
+    epochs: int,
+    steps: int,
+    batches: int,
+    batch_s: float,
+    signal_at_s: float | None = None,
+) -> tuple[int, float] | None:
+    """Epochs of `steps` training steps, each followed by an evaluation of `batches` batches of
+    batch_s seconds (as Validator.evaluate calls the control); (step, time) of an agreed stop."""
+    step = 0
+    for _ in range(epochs):
+        for _ in range(steps):
+            step += 1
+            clock.now += clock.step_s
+            if signal_at_s is not None and clock.now >= signal_at_s:
+                stop.requested = True
+            if control.should_stop(step, last=False):
+                return step, clock.now
+        control.enter_phase()
+        for j in range(batches):
+            if j > 0 and control.should_stop_evaluating(j):
+                control.enter_phase()
+                return step, clock.now
+            clock.now += batch_s
+        control.enter_phase()
+    return None
+
+
+def _counting_exchanges(control: StepControl) -> list[int]:
+    count = [0]
+    receive = control._receive
+
+    def counted() -> Any:
+        count[0] += 1
+        return receive()
+
+    control._receive = counted  # type: ignore[method-assign]
+    return count
+
+
+def test_short_epochs_exchange_at_the_pace_not_at_every_switch() -> None:
+    # 3 ms steps, 16 a epoch, 4 evaluation batches of 3 ms between: 20 epochs are 1.2 s of work,
+    # about 5 exchanges at 0.25 s. Once each kind of work has been measured, switching between
+    # them must not restart the step-by-step exchanges (3 after every switch: 120 in all).
+    clock, stop = Clock(step_s=0.003), Stop()
+    control = _control(1, clock, stop)
+    count = _counting_exchanges(control)
+    _epochs(control, clock, stop, epochs=20, steps=16, batches=4, batch_s=0.003)
+    assert count[0] <= 20, count[0]
+
+
+def test_a_stop_between_short_epochs_lands_within_two_intervals() -> None:
+    # Evaluation batches 10x slower than steps: the interval of one kind never delays the other's.
+    for signal_at_s in (0.3, 0.61, 0.9, 1.33):
+        clock, stop = Clock(step_s=0.003), Stop()
+        control = _control(1, clock, stop)
+        stopped = _epochs(control, clock, stop, epochs=100, steps=16, batches=4, batch_s=0.03, signal_at_s=signal_at_s)
+        assert stopped is not None
+        assert stopped[1] - signal_at_s <= 2 * 0.25 + 0.05, (signal_at_s, stopped)
