@@ -37,6 +37,7 @@ from dtf.train.forward import Forward, supervised_step
 from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
+from dtf.train.optimizer import fused_where_possible
 from dtf.train.precision import Precision
 from dtf.train.rng import seed_everything
 from dtf.train.selection import TEST_BIAS_WARNING, resolve_objective
@@ -141,7 +142,7 @@ def build(
     # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
     recorded = recorded_position(resume).canonical_partitions if resume is not None else None
     splits = setup_data(run, env, recorded)
-    model, optimizer = parts.strategy.setup(parts.model, instantiate(run.composed.optimizer), env)
+    model, optimizer = parts.strategy.setup(parts.model, fused_where_possible(instantiate(run.composed.optimizer)), env)
     # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
     blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
     # ... and a different stream per rank for what happens during training (dropout, augmentation).
