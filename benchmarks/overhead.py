@@ -65,6 +65,11 @@ def run_raw(tmp: Path, i: int, args: argparse.Namespace, floor: bool = False) ->
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        if out.exists() and "terminate called without an active exception" in done.stderr:
+            # gloo can abort a rank as the group is torn down, after the loop wrote its result (seen
+            # about once in 50 runs here, even after the barrier below): the figures stand.
+            print(f"note: the {'floor' if floor else 'raw loop'} aborted at teardown after writing its result")
+            return json.loads(out.read_text())
         sys.exit(f"the raw loop failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
 
