@@ -205,11 +205,14 @@ def test_bad_input_is_one_line_naming_the_path_and_the_fix_and_writes_nothing(
         marker.unlink()  # saves that never committed
     empty = tmp_path / "empty"
     empty.mkdir()
+    lone = tmp_path / "lone" / f"step_{STEPS:09d}"  # a transformers model's checkpoint away from its run's hf/
+    shutil.copytree(trained / "fsdp" / "checkpoints" / lone.name, lone)
     cases = {
         (no_checkpoint,): f"{no_checkpoint} has no committed checkpoint: export a run that saved one",
         (interrupted,): f"{interrupted} has no committed checkpoint: export a run that saved one",
         (empty,): f"{empty} is neither a run directory nor a checkpoint: give a run directory or one of its step_*",
         (tmp_path / "missing",): f"{tmp_path / 'missing'} is neither a run directory nor a checkpoint",
+        (lone,): f"checkpoint {lone} holds a transformers model (hf.* tensors), but no hf/ folder",
         (trained / "fsdp",): f"--out {fsdp_export} is not empty: give a new or empty folder (--out)",
         (trained / "fsdp", "--max-shard-size", "lots"): "--max-shard-size lots: give a size such as 5GB",
     }
