@@ -360,8 +360,18 @@ class CheckpointConfig:
     # about twice that. stop_check_every_n_steps fixes it to every n steps instead (a stop within 2n).
     stop_check_every_s: float = 0.25
     stop_check_every_n_steps: int | None = None
+    # At the end of training, rank 0 exports the final checkpoint as a Hugging Face folder that
+    # from_pretrained loads, as python -m dtf.export does: <run_dir>/hf_export/ (and with keep_best
+    # the best checkpoint's, <run_dir>/hf_export_best/), each replacing the one before.
+    export_hf: bool = False
 
     def __post_init__(self) -> None:
+        require(
+            not self.export_hf or self.at_end,
+            "checkpoint.export_hf",
+            self.export_hf,
+            "it exports the final checkpoint: keep checkpoint.at_end=true, or export one with python -m dtf.export",
+        )
         require(
             self.every_n_steps is None or self.every_n_steps >= 1,
             "checkpoint.every_n_steps",

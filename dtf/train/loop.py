@@ -29,7 +29,7 @@ from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
-from dtf.train import blocks, debug, loggers, schedule
+from dtf.train import blocks, debug, hf_export, loggers, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
@@ -426,5 +426,7 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRe
         step = trainer.stopped_at_step
         return Stopped(stop_request.signal_name, step, str(trainer.checkpointer.path_of(step)))
     summary = run_summary.finish(run, trainer, run_dir)
+    if summary is not None and run.checkpoint.export_hf:  # rank 0; fit() committed the final checkpoint
+        hf_export.export_at_end(run_dir, trainer.checkpointer.root, run.checkpoint.keep_best > 0, trainer.beat)
     trainer.loggers.close("finished" if trainer.validator.pruned_at_epoch is None else "pruned")
     return Finished(summary.as_dict()) if summary is not None else None

@@ -74,6 +74,19 @@ def save_llama(folder: Path, texts: list[str] | None = None, seed: int = 0, max_
     return folder
 
 
+def save_tied_llama(folder: Path, seed: int = 0) -> Path:
+    """save_llama's model and tokenizer with the LM head tied to the token embedding
+    (tie_word_embeddings, as GPT-2's and Gemma's): save_pretrained writes the embedding alone."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    save_llama(folder, seed=seed)
+    config = AutoConfig.from_pretrained(folder)
+    config.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def save_vit(folder: Path, seed: int = 0) -> Path:
     """ViTForImageClassification for 1x28x28 images in 10 classes (data=digits), no tokenizer."""
     from transformers import ViTConfig, ViTForImageClassification
