@@ -107,6 +107,32 @@ def test_every_token_of_the_corpus_is_trained_on_exactly_once_per_epoch(model: P
         assert data.num_repeated_per_epoch == 0
 
 
+def test_remainder_drop_leaves_whole_sequences_out_and_none_twice(model: Path, corpus: Path) -> None:
+    expected = Counter(expected_sequences(model, documents()))
+    rows = []
+    for rank in range(3):
+        data = text.build_splits(config(corpus, model, batch_size=2, remainder="drop"), env(rank, 3), seed=7).train
+        rows += [r for b in epoch(data, 0) for r in trained(b)]
+    assert all(rows) and not Counter(rows) - expected  # no padding, nothing but the corpus's sequences
+    assert len(rows) == expected.total() - data.num_dropped_per_epoch and data.num_dropped_per_epoch > 0
+
+
+def test_validation_and_test_text_are_evaluated_every_sequence_once(model: Path, corpus: Path, tmp_path: Path) -> None:
+    val_docs, test_docs = documents()[:3], documents()[5:]
+    for name, docs in (("val", val_docs), ("test", test_docs)):
+        (tmp_path / name).mkdir()
+        for i, doc in enumerate(docs):
+            (tmp_path / name / f"{i}.txt").write_text(doc)
+    cfg = config(corpus, model, batch_size=2, eval_batch_size=3, val_path=str(tmp_path / "val"))
+    cfg.test_path = str(tmp_path / "test")
+    for name, docs in (("val", val_docs), ("test", test_docs)):
+        rows = []
+        for rank in range(3):
+            data = getattr(text.build_splits(cfg, env(rank, 3), seed=0), name)
+            rows += [r for j, b in enumerate(data) for r in trained(b)[: data.num_real_in_batch(j)]]
+        assert rows == expected_sequences(model, docs)  # in order: rank 0's share first
+
+
 def test_a_resume_mid_epoch_gives_the_batches_of_the_straight_run_on_any_world_size(model: Path, corpus: Path) -> None:
     two = [text.build_splits(config(corpus, model, batch_size=2), env(r, 2), seed=3).train for r in range(2)]
     straight = [epoch(d, 1) for d in two]
