@@ -73,7 +73,7 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
     """The plan of a run with data.global_batch_size or launcher.nnodes=MIN:MAX (None: neither).
     UserError (one line) where no world size in the range can keep the global batch. started_as:
     the world size of ranks started by another launcher (torchrun), where the driver runs in them."""
-    from dtf.config.schema import LocalLauncherConfig, ParquetDataConfig, SlurmLauncherConfig
+    from dtf.config.schema import LocalLauncherConfig, ParquetDataConfig, SlurmLauncherConfig, TextDataConfig
 
     launcher = run.launcher
     accum = run.trainer.grad_accum_steps
@@ -98,7 +98,7 @@ def plan(run: RunConfig, started_as: int | None = None) -> Plan | None:
     why = "data.global_batch_size" if given is not None else f"data.batch_size x {nproc * high} ranks at MAX"
     fits = [n for n in range(low, high + 1) if glob % (n * nproc * accum) == 0]
     partitions = None
-    if isinstance(run.data, ParquetDataConfig):
+    if isinstance(run.data, ParquetDataConfig | TextDataConfig):
         # auto, or a number: the user's, or (after apply) this plan's own, which plans the same sizes
         setting = run.data.canonical_partitions
         fixed = int(setting) if setting != "auto" else None
@@ -135,7 +135,7 @@ def apply(run: RunConfig, world_size: int) -> RunConfig:
     driver where it knows it): each rank's batch and Parquet's partitions by the plan. run itself
     is left as it is, and what the user configured stays in the one returned (configured_batch_size),
     so that it may be applied again, to another size."""
-    from dtf.config.schema import ParquetDataConfig
+    from dtf.config.schema import ParquetDataConfig, TextDataConfig
 
     p = plan(run)
     if p is None or p.global_batch is None:
@@ -146,7 +146,7 @@ def apply(run: RunConfig, world_size: int) -> RunConfig:
             f"run on {', '.join(map(str, p.world_sizes()))} ranks"
         )
     data = replace(run.data, batch_size=p.per_rank_batch(world_size))
-    if p.partitions is not None and p.elastic and isinstance(data, ParquetDataConfig):
+    if p.partitions is not None and p.elastic and isinstance(data, ParquetDataConfig | TextDataConfig):
         data = replace(data, canonical_partitions=p.partitions)  # every size the run may take divides them
     return replace(run, data=data)
 

@@ -31,6 +31,7 @@ from dtf.config.schema import (
     OnError,
     ParquetDataConfig,
     SlurmLauncherConfig,
+    TextDataConfig,
     TrainerConfig,
 )
 from dtf.config.targets import check_target, targets
@@ -125,6 +126,13 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
         # From the Parquet metadata only: files readable, columns present, a full batch for every rank.
         open_sources(run.data, expected_world_size(run.launcher))
         check_canonical_partitions(run, None)
+    if isinstance(run.data, TextDataConfig):
+        from dtf.data.parquet.source import open_sources
+        from dtf.data.text import parquet_view, prepare
+
+        # The text is tokenized here, once, before any rank starts; the ranks find it done.
+        open_sources(parquet_view(run.data, prepare(run.data)), expected_world_size(run.launcher))
+        check_canonical_partitions(run, None)
     _check_strategy(run)
     metric_classes = not (starting and isinstance(run.launcher, LocalLauncherConfig))
     _check_metrics(run, classes=metric_classes)
@@ -196,7 +204,7 @@ def check_canonical_partitions(run: RunConfig, run_dir: Path | None) -> None:
     """Parquet's canonical partitions against the world size and the global batch, where the
     driver knows the world size: the ones asked for, or those of the checkpoint the run resumes
     from (run_dir: where checkpoint.resume=auto looks; None: not known yet)."""
-    if not isinstance(run.data, ParquetDataConfig):
+    if not isinstance(run.data, ParquetDataConfig | TextDataConfig):
         return
     world = expected_world_size(run.launcher)
     if world is None:

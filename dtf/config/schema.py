@@ -580,6 +580,51 @@ class ParquetDataConfig(BaseDataConfig):
 PetastormDataConfig = ParquetDataConfig
 
 
+class SampleBy(str, Enum):
+    """data.sample_by: what one document of a .txt file is (Hugging Face datasets' text loader's names)."""
+
+    document = "document"  # the whole file
+    line = "line"  # every non-empty line
+
+
+@dataclass
+class TextDataConfig(BaseDataConfig):
+    """Text tokenized once into Parquet token ids, then read as data=parquet reads (data=text)."""
+
+    kind: str = "text"
+    # .txt or .jsonl files (a file or a folder of them), or Parquet with a string column.
+    path: str = MISSING
+    # Validation and test text, tokenized as path is (or data.val_fraction of path's sequences).
+    val_path: str | None = None
+    test_path: str | None = None
+    # A folder or Hub id AutoTokenizer loads (conf/data/text.yaml: model.name_or_path).
+    tokenizer: str | None = None
+    # Tokens per sequence: documents joined by EOS, cut into sequences of this length.
+    seq_len: int = 1024
+    # The jsonl field, or the Parquet column, that holds the text.
+    text_field: str = "text"
+    sample_by: SampleBy = SampleBy.document
+    # Where the token ids are cached (null: a folder .dtf-tokens beside the text).
+    cache_dir: str | None = None
+    shuffle_row_groups: bool = True
+    shuffle_rows: bool = True
+    # pad: the last batches are filled with sequences whose labels are all -100 (they count no
+    # token), so every token is trained on exactly once per epoch; drop: whole sequences are left out.
+    remainder: Remainder = Remainder.pad
+    canonical_partitions: Any = "auto"
+    workers_count: Any = "auto"
+    results_queue_size: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.seq_len >= 2, "data.seq_len", self.seq_len, "use 2 or more tokens per sequence, e.g. 512")
+        if self.val_fraction and self.val_path:
+            raise UserError(
+                f"data.val_fraction={self.val_fraction} and data.val_path both name a validation split: keep one "
+                "(data.val_fraction=0, or data.val_path=null)"
+            )
+
+
 @dataclass
 class DDPStrategyConfig:
     name: str = "ddp"

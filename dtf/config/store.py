@@ -21,6 +21,7 @@ SCHEMAS = {
     "schema_data_loader": schema.LoaderDataConfig,
     "schema_data_parquet": schema.ParquetDataConfig,
     "schema_data_petastorm": schema.ParquetDataConfig,  # the former name, for users' option YAMLs
+    "schema_data_text": schema.TextDataConfig,
     "schema_strategy_ddp": schema.DDPStrategyConfig,
     "schema_strategy_zero": schema.ZeroStrategyConfig,
     "schema_strategy_fsdp": schema.FSDPStrategyConfig,

@@ -18,7 +18,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from dtf.config import schema
 from dtf.errors import UserError
 
-DataConfig = schema.LoaderDataConfig | schema.ParquetDataConfig
+DataConfig = schema.LoaderDataConfig | schema.ParquetDataConfig | schema.TextDataConfig
 StrategyConfig = schema.DDPStrategyConfig | schema.ZeroStrategyConfig | schema.FSDPStrategyConfig
 LauncherConfig = schema.LocalLauncherConfig | schema.SlurmLauncherConfig | schema.SparkLauncherConfig
 
@@ -38,9 +38,10 @@ DATA: dict[str, type] = {
     "loader": schema.LoaderDataConfig,
     "parquet": schema.ParquetDataConfig,
     "petastorm": schema.ParquetDataConfig,
+    "text": schema.TextDataConfig,
 }
 # What a missing (???) value means to the user, where the generic sentence would not say enough.
-MISSING_HINTS = {"data.path": "give the Parquet data to train on, e.g. data.path=data/train"}
+MISSING_HINTS = {"data.path": "give the data to train on (Parquet; with data=text, text), e.g. data.path=data/train"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class RunConfig:
 
 def typed(cfg: DictConfig) -> RunConfig:
     """cfg as a RunConfig; a bad value is one line naming its key (UserError)."""
-    data = section(cfg, "data", DATA["parquet" if _is_parquet(cfg.data) else "loader"])
+    data = section(cfg, "data", DATA[_data_kind(cfg.data)])
     return RunConfig(
         trainer=section(cfg, "trainer", schema.TrainerConfig),
         checkpoint=section(cfg, "checkpoint", schema.CheckpointConfig),
@@ -97,9 +98,12 @@ def loggers(cfg: DictConfig) -> dict[str, Any]:
     return chosen
 
 
-def _is_parquet(data: DictConfig) -> bool:
+def _data_kind(data: DictConfig) -> str:
     kind = data.get("kind") if "kind" in data else None
-    return kind in ("parquet", "petastorm") or (kind is None and "path" in data.keys())  # noqa: SIM118 (a path still ??? too)
+    if kind == "text":
+        return "text"
+    parquet = kind in ("parquet", "petastorm") or (kind is None and "path" in data.keys())  # noqa: SIM118 (a path still ??? too)
+    return "parquet" if parquet else "loader"
 
 
 def _by_name(node: DictConfig, classes: dict[str, type], key: str) -> type:

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from dtf import signals
-from dtf.config.schema import LoaderDataConfig, ParquetDataConfig
+from dtf.config.schema import LoaderDataConfig, ParquetDataConfig, TextDataConfig
 from dtf.config.typed import DataConfig
 from dtf.data.fetch import TensorBatches, fetching
 from dtf.data.interface import DataSplits, TrainData
@@ -204,6 +204,10 @@ def build_splits(cfg: DataConfig, env: DistEnv, seed: int, recorded_partitions: 
         from dtf.data.parquet import data as parquet  # pyarrow: only for runs that read Parquet
 
         return parquet.build_splits(cfg, env, seed, recorded_partitions)
+    if isinstance(cfg, TextDataConfig):
+        from dtf.data import text  # tokenizers and pyarrow: only for runs that read text
+
+        return text.build_splits(cfg, env, seed, recorded_partitions)
     built = datasets_of(cfg)
     train, test = from_datasets(built.train, built.test, cfg, env, seed)
     val = eval_data(built.val, cfg, env, seed) if built.val is not None else None

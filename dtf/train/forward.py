@@ -36,7 +36,7 @@ class Forward:
         batch = self.precision.convert_batch(batch)
         with self.precision.autocast():
             out = self.step_fn(model, batch, metrics.observing(self.loss_fn) if metrics else self.loss_fn)
-        if isinstance(out, tuple):
-            loss, count = out
-            return loss, int(count)
-        return out, batch_size_of(batch)
+        loss, count = (out[0], int(out[1])) if isinstance(out, tuple) else (out, batch_size_of(batch))
+        if metrics:
+            metrics.observe_loss(loss, count)
+        return loss, count

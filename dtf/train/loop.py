@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from dtf import elastic, failures, memory
 from dtf import strategy as strategies
-from dtf.config.schema import MemoryCheck, ParquetDataConfig
+from dtf.config.schema import MemoryCheck, ParquetDataConfig, TextDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
 from dtf.data.interface import DataSplits
@@ -328,6 +328,8 @@ def label_source(data: DataConfig) -> str:
     """Where the labels come from, as error messages name it."""
     if isinstance(data, ParquetDataConfig):
         return f"data.label_column={data.label_column}"
+    if isinstance(data, TextDataConfig):
+        return "data.path (labels: the token ids)"
     return "data.dataset (its targets)"
 
 

@@ -124,6 +124,8 @@ class Metrics:
         if output.is_floating_point() and output.dtype != torch.float64:
             output = output.float()  # reduced-precision outputs: the metric's sums in float32
         for name, metric in self.metrics.items():
+            if getattr(metric, "takes_loss", False):
+                continue  # fed by observe_loss
             try:
                 metric.update(output, target)
             except (ValueError, RuntimeError) as e:
@@ -132,6 +134,15 @@ class Metrics:
                     f"{tuple(output.shape)} with targets {tuple(target.shape)}: {str(e).splitlines()[0]}; "
                     "pick metrics that fit the task, or metrics=none"
                 ) from None
+
+    def observe_loss(self, loss: torch.Tensor, count: int) -> None:
+        """A batch's mean loss over count items, for the metrics made from the loss (takes_loss:
+        dtf.train.loss_metrics). A batch that counts nothing (all padding) adds nothing."""
+        if count == 0:
+            return
+        for metric in self.metrics.values():
+            if getattr(metric, "takes_loss", False):
+                metric.update(loss.detach(), count)
 
     def reset(self) -> None:
         for metric in self.metrics.values():

@@ -44,8 +44,8 @@ def test_every_model_builds_and_runs_forward(name: str) -> None:
 
 
 # data=parquet (and data=petastorm, its former name) reads files instead of building a Dataset:
-# tests/unit/test_parquet_config.py covers it.
-@pytest.mark.parametrize("name", [n for n in options("data") if n not in ("parquet", "petastorm")])
+# tests/unit/test_parquet_config.py covers it; data=text, tests/unit/test_text_data.py.
+@pytest.mark.parametrize("name", [n for n in options("data") if n not in ("parquet", "petastorm", "text")])
 def test_every_data_option_builds_train_and_test(name: str) -> None:
     cfg = compose(f"data={name}")
     validate(cfg)

@@ -385,8 +385,18 @@ def _workers(workers_count: int | str, src: ParquetSource, columns: Sequence[str
     return 2 if any(f.codec is not None and f.codec.kind != "scalar" for f in decoded) else 1
 
 
-def build_splits(cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_partitions: int | None = None) -> DataSplits:
-    """recorded_partitions: data.canonical_partitions as the checkpoint a resumed run starts from recorded it."""
+def build_splits(
+    cfg: ParquetDataConfig,
+    env: DistEnv,
+    seed: int,
+    recorded_partitions: int | None = None,
+    *,
+    layout: BatchLayout | None = None,
+    train_class: type[ParquetTrainData] | None = None,
+    eval_class: type[ParquetEvalData] | None = None,
+) -> DataSplits:
+    """recorded_partitions: data.canonical_partitions as the checkpoint a resumed run starts from recorded it.
+    layout, train_class, eval_class: how rows become batches, where not as cfg's columns say (data=text)."""
     sources = open_sources(cfg, env.world_size)
     seen = "; ".join(f"{name}: {s.fingerprint() if s else None}" for name, s in vars(sources).items())
     _check_same_everywhere(seen, env)
@@ -403,16 +413,16 @@ def build_splits(cfg: ParquetDataConfig, env: DistEnv, seed: int, recorded_parti
             workers_count=_workers(cfg.workers_count, src, features, row_reader),
             results_queue_size=cfg.results_queue_size,
         )
-        layout = BatchLayout(tuple(features), cfg.label_column, dict(src.shapes), dtype)
-        return _Stream(src, layout, reader, transform)
+        shaped = layout or BatchLayout(tuple(features), cfg.label_column, dict(src.shapes), dtype)
+        return _Stream(src, shaped, reader, transform)
 
     def evaluation(src: ParquetSource | None) -> ParquetEvalData | None:
         if src is None:
             return None
         segments, num_real = eval_share(src.piece_rows, env.world_size, env.rank)
-        return ParquetEvalData(stream(src), cfg.eval_batch_size or cfg.batch_size, segments, num_real)
+        return (eval_class or ParquetEvalData)(stream(src), cfg.eval_batch_size or cfg.batch_size, segments, num_real)
 
-    train = ParquetTrainData(
+    train = (train_class or ParquetTrainData)(
         stream(sources.train),
         rank=env.rank,
         world_size=env.world_size,
