@@ -40,7 +40,10 @@ DATA: dict[str, type] = {
     "petastorm": schema.ParquetDataConfig,
 }
 # What a missing (???) value means to the user, where the generic sentence would not say enough.
-MISSING_HINTS = {"data.path": "give the Parquet data to train on, e.g. data.path=data/train"}
+MISSING_HINTS = {
+    "data.path": "give the Parquet data to train on, e.g. data.path=data/train",
+    "model.name_or_path": "give a folder that save_pretrained wrote, or a Hugging Face Hub id",
+}
 
 
 @dataclass(frozen=True)
