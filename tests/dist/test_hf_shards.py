@@ -1,7 +1,8 @@
 """model=hf under the strategies that shard parameters (fsdp, zero 3, mics), on 2 gloo ranks: built
-on the meta device, the pretrained weights go into each rank's shards, read by rank 0 alone;
-gathered back they are the files, bit for bit; tied weights stay tied; the blocks are
-transformers' _no_split_modules; and a run's first step is transformers' loss over the global batch."""
+on the meta device, the pretrained weights go into each rank's shards (or whole replicas: ddp with
+strategy.meta_init), read by rank 0 alone; gathered back they are the files, bit for bit; tied
+weights stay tied; the blocks are transformers' _no_split_modules; and a run's first step is
+transformers' loss over the global batch."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _strategies() -> dict[str, Any]:
-    from dtf.config.schema import FSDPStrategyConfig, MicsStrategyConfig, ZeroStrategyConfig
+    from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig, MicsStrategyConfig, ZeroStrategyConfig
 
     return {
+        "ddp_meta_init": DDPStrategyConfig(meta_init=True),  # whole replicas, filled from rank 0 alike
         "fsdp": FSDPStrategyConfig(),
         "zero3": ZeroStrategyConfig(name="zero", stage=3),
         "mics": MicsStrategyConfig(partition_group_size=2),  # sharded over both ranks
@@ -58,9 +60,9 @@ def _load_into_shards(rank: int, world_size: int, folders: dict[str, Path]) -> N
         model = strategy.build_model(lambda: HFModel(str(folders["tied"])))
         assert all(p.is_meta for p in model.parameters()), name  # whatever strategy.meta_init says
         model, optimizer = strategy.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.5), env)
-        hf = model.hf
+        hf = getattr(model, "module", model).hf  # (DDP's wrapper)
         assert hf.lm_head.weight is hf.model.embed_tokens.weight, name
-        if name != "mics_replicated":  # each rank holds half of the embeddings
+        if name not in ("ddp_meta_init", "mics_replicated"):  # each rank holds half of the embeddings
             assert hf.lm_head.weight.to_local().shape[0] < hf.lm_head.weight.shape[0], name
         full = strategy.full_state_dict(model)  # collective: gathered from the shards
         if rank == 0:
