@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dtf.config.schema import MemoryCheck
-from dtf.errors import UserError
+from dtf.errors import UserError, user_error_in
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -187,6 +187,9 @@ def estimate_built(
             model = build()
         return estimate(model, optimizer_factory, shares)
     except Exception as e:  # a model that cannot be built on meta, an optimizer that needs a closure: run
+        refusal = user_error_in(e)
+        if refusal is not None:  # bad settings (instantiate wraps what the model raised): refused, not skipped
+            raise refusal from None
         if speaks:
             print(
                 "dtf: trainer.memory_check skipped: the model's state could not be estimated on the meta device "

@@ -35,9 +35,9 @@ from dtf.config.schema import (
     TrainerConfig,
 )
 from dtf.config.targets import check_target, targets
-from dtf.config.typed import LauncherConfig, RunConfig, typed
+from dtf.config.typed import MISSING_HINTS, LauncherConfig, RunConfig, typed
 from dtf.dist import env as dist_env
-from dtf.errors import UserError, require
+from dtf.errors import UserError, require, user_error_in
 
 # The sections trainer=function never reads (the function builds its own), and what they are.
 NOT_READ_BY_FUNCTIONS = {
@@ -156,6 +156,8 @@ def validate(cfg: DictConfig, starting: bool = False) -> RunConfig:
         if node is not None:
             for path, target_node in targets(node, section):
                 check_target(path, target_node)
+    if run.trainer.fn is None:  # a model that refuses its settings (model=hf's folder, Auto class) does so here
+        _meta_model(run)
     _check_memory(run)  # last: it builds the model (on the meta device) from what is checked above
     return run
 
@@ -442,12 +444,18 @@ def _check_metrics(run: RunConfig, classes: bool) -> None:
 
 def _meta_model(run: RunConfig) -> torch.nn.Module | None:
     """The model built on the meta device (no memory, no init) to check names against it now;
-    None when it cannot be built here (the ranks will report why, with its traceback)."""
+    None when it cannot be built here (the ranks will report why, with its traceback). A model
+    that refuses its settings (a UserError) refuses them here."""
     model = run.composed.model
+    for full in sorted(OmegaConf.missing_keys(model)):  # ??? in the option (model=hf's name_or_path)
+        raise UserError(f"{full} is not set: {MISSING_HINTS.get(full, f'give it a value, e.g. {full}=...')}")
     with torch.device("meta"):
         try:
             return instantiate(model) if "_target_" in model else None
-        except Exception:
+        except Exception as e:
+            refusal = user_error_in(e)  # instantiate wraps what the constructor raised
+            if refusal is not None:
+                raise refusal from None
             return None
 
 

@@ -41,7 +41,10 @@ DATA: dict[str, type] = {
     "text": schema.TextDataConfig,
 }
 # What a missing (???) value means to the user, where the generic sentence would not say enough.
-MISSING_HINTS = {"data.path": "give the data to train on (Parquet; with data=text, text), e.g. data.path=data/train"}
+MISSING_HINTS = {
+    "data.path": "give the data to train on (Parquet; with data=text, text), e.g. data.path=data/train",
+    "model.name_or_path": "give a folder that save_pretrained wrote, or a Hugging Face Hub id",
+}
 
 
 @dataclass(frozen=True)

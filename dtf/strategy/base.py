@@ -111,7 +111,8 @@ class Strategy(ABC):
 
 
 def initialise(module: nn.Module) -> None:
-    """Every module's reset_parameters, for a model materialised from meta (strategy.meta_init).
+    """Every module's reset_parameters, then any module's load_pretrained_in_place, for a model
+    materialised from meta (strategy.meta_init; model=hf's pretrained weights under a sharding strategy).
     Children first, in the order they were registered: the leaves draw their random numbers in the
     order a model's constructor does (so a replica matches one built eagerly, bit for bit), and a
     module that initialises its whole subtree its own way (a transformers model, whose class token
@@ -122,6 +123,12 @@ def initialise(module: nn.Module) -> None:
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
                 reset()
+    # ... then a module whose weights come from files (model=hf's pretrained ones) loads them over
+    # the random ones, into whatever this rank holds (a collective: every rank gets here alike).
+    for m in _children_first(module, set()):
+        load = getattr(m, "load_pretrained_in_place", None)
+        if callable(load):
+            load()
 
 
 def _children_first(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from dtf.config.schema import FSDPStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.memory import OptimizerFactory, StateShares
+from dtf.models import for_shards
 from dtf.models.blocks import find_blocks
 from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
 
@@ -52,6 +53,13 @@ class FSDPStrategy(Strategy):
     def grad_scaler(self, device: torch.device) -> GradScaler:
         # Each rank holds a shard of the gradients: the scaler all-reduces whether any overflowed.
         return _ShardedGradScaler(device.type)
+
+    def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
+        """As every strategy does, but a model whose weights come from files (model=hf) builds on
+        meta whatever strategy.meta_init says: each rank allocates only its shards, and the weights
+        go into them after sharding (initialise, then load_pretrained_in_place), read by rank 0 alone."""
+        with for_shards():
+            return super().build_model(build)
 
     def _shard_kwargs(self, env: DistEnv) -> dict[str, Any]:
         cfg = self.cfg

@@ -48,7 +48,7 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, request: EvalRequest) -> Fi
     model, optimizer = parts.strategy.setup(parts.model, instantiate(run.composed.optimizer), env)
     cfg = run.composed
     measures = Metrics.build(cfg.get("metrics"), env.device, cfg.get("loss"))
-    validator = Validator(env, loop.step_forward(run, parts.precision), measures, splits.val, splits.test)
+    validator = Validator(env, loop.step_forward(run, parts.precision, parts.model), measures, splits.val, splits.test)
     # The model's weights only (the optimizer's state is not needed, and may be another's).
     current = parts.strategy.state_dict(model, optimizer)
     app_state = {"model": current["model"]}

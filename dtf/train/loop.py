@@ -27,6 +27,7 @@ from dtf.dist import env as dist_env
 from dtf.errors import UserError
 from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
+from dtf.models.hf import write_hf_files
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
 from dtf.train import blocks, debug, hf_export, loggers, schedule
@@ -138,6 +139,8 @@ def build(
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's) ...
     seed_everything(run.trainer.seed)
     parts = setup_model(run, env)
+    if env.is_main:  # model=hf: its config and tokenizer beside the run's weights (dtf.export reads them)
+        write_hf_files(parts.model, run_dir / "hf")
     resume = choose_checkpoint(run, env, run_dir)
     # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
     recorded = recorded_position(resume).canonical_partitions if resume is not None else None
@@ -263,7 +266,7 @@ def assemble(
         every_s=ck.stop_check_every_s,
         is_main=env.is_main,
     )
-    forward = step_forward(run, parts.precision)
+    forward = step_forward(run, parts.precision, parts.model)
     logs = loggers.build(run, run_dir, env.is_main, env.world_size)
     objective = objective_name(run, splits)
     best_model = run_dir / run_summary.BEST_WEIGHTS_FILE if ck.keep_best else None
@@ -302,12 +305,14 @@ def assemble(
     return trainer
 
 
-def step_forward(run: RunConfig, precision: Precision) -> Forward:
-    """How a batch's loss is computed, in training and evaluation alike: trainer.step_fn (or
-    supervised_step) with the loss section, under the precision."""
+def step_forward(run: RunConfig, precision: Precision, model: nn.Module | None = None) -> Forward:
+    """How a batch's loss is computed, in training and evaluation alike: trainer.step_fn, else the
+    model's own step where it brings one (model=hf: dtf.models.hf.hf_step), else supervised_step;
+    with the loss section, under the precision."""
     t = run.trainer
     loss_fn = TargetsLikeOutput(instantiate(run.composed.loss), label_source(run.data))
-    return Forward(instantiate(t.step_fn) if t.step_fn else supervised_step, loss_fn, precision)
+    step_fn = instantiate(t.step_fn) if t.step_fn else getattr(model, "step_fn", None) or supervised_step
+    return Forward(step_fn, loss_fn, precision)
 
 
 def lr_schedule(run: RunConfig, optimizer: Optimizer, world_size: int) -> schedule.LRSchedule:
