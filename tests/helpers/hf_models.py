@@ -125,16 +125,3 @@ def save_bert(folder: Path, seed: int = 0, num_labels: int = 3) -> Path:
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
     return folder
-
-
-def save_tied_llama(folder: Path, seed: int = 0) -> Path:
-    """save_llama's model with its output layer tied to its input embeddings (tie_word_embeddings),
-    as many small causal LMs have it: save_pretrained writes the shared weight once."""
-    save_llama(folder, seed=seed)
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    config.tie_word_embeddings = True
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
