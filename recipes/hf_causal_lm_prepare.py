@@ -65,12 +65,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-docs", type=int, help="the first n docstrings only (tests)")
     args = p.parse_args()
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    texts = list(stdlib_docstrings())
+    texts = list(stdlib_docstrings())[: args.max_docs]
     corpus = args.out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     with open(corpus / "train.jsonl", "w", encoding="utf-8") as f:

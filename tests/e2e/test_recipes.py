@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,15 +73,35 @@ def _sweep_points(experiment: str) -> list[list[str]]:
     return [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
 
 
+@pytest.fixture(scope="module")
+def stdlib_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """hf_causal_lm's starting point as its prepare script makes it, smaller: 300 docstrings, a
+    2-layer Llama of hidden size 64."""
+    out = tmp_path_factory.mktemp("stdlib_lm")
+    script = Path(__file__).parents[2] / "recipes" / "hf_causal_lm_prepare.py"
+    small = ["--max-docs=300", "--vocab-size=400", "--hidden-size=64", "--layers=2", "--max-positions=128"]
+    subprocess.run([sys.executable, str(script), f"--out={out}", *small], check=True, capture_output=True)
+    return out
+
+
+def _its_files(experiment: str, request: pytest.FixtureRequest) -> list[str]:
+    """Where a recipe reads files its own script prepares: those, made small."""
+    if experiment != "+recipe=hf_causal_lm":
+        return []
+    lm = request.getfixturevalue("stdlib_lm")
+    return [f"model.name_or_path={lm / 'model'}", f"data.path={lm / 'corpus' / 'train.jsonl'}", "data.seq_len=64"]
+
+
 @pytest.mark.parametrize("experiment", experiments())
 def test_every_experiment_and_recipe_composes_validates_and_runs_for_a_tiny_budget(  # type: ignore[no-untyped-def]
-    dtf_compose, dtf_run, experiment: str
+    dtf_compose, dtf_run, experiment: str, request: pytest.FixtureRequest
 ) -> None:
-    dtf_compose(experiment)  # as written, its own launcher included
+    files = _its_files(experiment, request)
+    dtf_compose(experiment, *files)  # as written (but for the files it reads), its own launcher included
     for point in _sweep_points(experiment):  # a sweep recipe: each of its points composes and validates too
-        dtf_compose(experiment, *point)
+        dtf_compose(experiment, *files, *point)
     # and it trains, for a few steps on 2 local ranks
-    summary = dtf_run(experiment, *SMALLER.get(experiment, []))
+    summary = dtf_run(experiment, *files, *SMALLER.get(experiment, []))
     assert summary["global_step"] == 2 and summary["world_size"] == 2 and summary["params_sha256_consistent"]
 
 
