@@ -5,7 +5,7 @@ for bit (tied ones as save_pretrained writes them); after 2 FSDP ranks trained i
 of the export gives the logits of dtf's own model (model.pt) exactly; DDP, ZeRO-3, MiCS and a
 resume from 2 ranks onto 1 export the weights FSDP's uninterrupted run exports, within the
 strategy tests' tolerance (tests/dist/test_strategies.py). The runs are shared (module fixtures);
-the stand-in for model=hf is tests/helpers/hf_causal_lm.py."""
+model=hf trains on token dicts (tests/helpers/hf_causal_lm.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from dtf.export import main as export_main
-from tests.helpers.hf_causal_lm import CausalLM, overrides, write_hf_dir
-from tests.helpers.hf_models import save_llama, save_tied_llama
+from dtf.models.hf import HFModel
+from tests.helpers.hf_causal_lm import overrides
+from tests.helpers.hf_models import CORPUS, save_llama, save_tied_llama
 from tests.helpers.inprocess import train_in_process, train_on_ranks
 from tests.helpers.run_command import dtf_command, run_command
 
@@ -62,8 +63,6 @@ def trained(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = [(name, [*base, *args, f"trainer.max_steps={STEPS}"]) for name, args in [("fsdp", ["strategy=fsdp"])]]
     runs += [(name, [*base, *args, f"trainer.max_steps={STEPS}"]) for name, args in STRATEGIES.items()]
     runs += [("resumed", [*base, "strategy=fsdp", f"trainer.max_steps={STEPS // 2}"])]
-    for name, _ in runs:
-        write_hf_dir(llama, root / name)  # what dtf.models.hf writes at a run's start
     train_on_ranks(2, runs, root)
     alone = [*overrides(llama), *SGD, "data.batch_size=16", "strategy=fsdp", f"trainer.max_steps={STEPS}"]
     summary = train_on_ranks(1, [("resumed", alone)], root)["resumed"]
@@ -89,10 +88,11 @@ def test_an_untrained_checkpoint_exports_the_input_weights_bit_for_bit_at_the_en
 ) -> None:
     """checkpoint.export_hf (the final checkpoint and, with keep_best, the best) on a Llama whose
     LM head is tied to its embedding and on one whose is not: exactly the folder save_pretrained wrote."""
+    from transformers import AutoTokenizer
+
     tied = save_tied_llama(tmp_path / "tied")
     for folder in (llama, tied):
         run_dir = tmp_path / f"run_{folder.name}"
-        write_hf_dir(folder, run_dir)
         train_in_process(
             [
                 *overrides(folder),
@@ -111,8 +111,11 @@ def test_an_untrained_checkpoint_exports_the_input_weights_bit_for_bit_at_the_en
             assert written.keys() == given.keys()
             for name, tensor in given.items():
                 assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), (export, name)
-            for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            for name in ("config.json", "generation_config.json"):
                 assert (run_dir / export / name).read_bytes() == (folder / name).read_bytes(), name
+            # the tokenizer as model=hf saved it (save_pretrained of the folder's): the same tokens
+            exported, given_tokenizer = (AutoTokenizer.from_pretrained(p) for p in (run_dir / export, folder))
+            assert exported(CORPUS)["input_ids"] == given_tokenizer(CORPUS)["input_ids"]
 
 
 def test_from_pretrained_of_a_2_rank_fsdp_export_gives_the_logits_of_dtf_s_model(
@@ -120,7 +123,7 @@ def test_from_pretrained_of_a_2_rank_fsdp_export_gives_the_logits_of_dtf_s_model
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    ours = CausalLM(str(llama))
+    ours = HFModel(str(llama))
     weights = torch.load(trained / "fsdp" / "model.pt", weights_only=True)  # dtf's own, gathered from the ranks
     assert not torch.equal(weights["hf.model.embed_tokens.weight"], ours.hf.model.embed_tokens.weight)  # trained
     ours.load_state_dict(weights)
