@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from dtf.export import main as export_main
 from dtf.models.hf import HFModel
 from tests.helpers.hf_causal_lm import overrides
-from tests.helpers.hf_models import CORPUS, save_llama, save_tied_llama
+from tests.helpers.hf_models import CORPUS, save_bert, save_llama, save_tied_llama, save_vit
 from tests.helpers.inprocess import train_in_process, train_on_ranks
 from tests.helpers.run_command import dtf_command, run_command
 
@@ -237,3 +237,57 @@ def test_export_at_the_end_needs_the_final_checkpoint() -> None:
 
     with pytest.raises(UserError, match=r"^checkpoint.export_hf=True is invalid: it exports the final checkpoint"):
         validate(compose("checkpoint.export_hf=true", "checkpoint.at_end=false"))
+
+
+def _vit_and_bert(root: Path) -> dict[str, tuple[Path, list[str]]]:
+    """The other two families, each with the overrides that train it on its kind of data."""
+    vit, bert = save_vit(root / "vit"), save_bert(root / "bert")
+    data_of_bert = [
+        "data=digits",
+        "~data.dataset.image_size",
+        "~data.dataset.test_fraction",
+        "~data.dataset.seed",
+        "data.dataset._target_=tests.helpers.token_data.classes",
+        f"+data.dataset.folder={bert}",
+    ]
+    return {
+        "vit": (vit, ["model.auto_class=AutoModelForImageClassification", "data=digits"]),
+        "bert": (bert, ["model.auto_class=AutoModelForSequenceClassification", *data_of_bert]),
+    }
+
+
+def test_vit_and_bert_export_their_folders_untrained_and_dtfs_logits_after_fsdp(tmp_path: Path) -> None:
+    """ViTForImageClassification and BertForSequenceClassification: an untrained checkpoint
+    exports the folder's weights bit for bit; after 2 FSDP ranks trained them, from_pretrained of
+    the export gives the logits of dtf's own model.pt, exactly (fp32, the same transformers code)."""
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    families = _vit_and_bert(tmp_path)
+    base = {
+        name: ["model=hf", f"model.name_or_path={folder}", *args, "loss=cross_entropy", "metrics=none"]
+        for name, (folder, args) in families.items()
+    }
+    for name, (folder, _) in families.items():
+        run_dir = tmp_path / f"untrained_{name}"
+        train_in_process([*base[name], *LR_ZERO, "trainer.max_steps=2", "checkpoint.export_hf=true"], run_dir)
+        given, written = load_file(folder / "model.safetensors"), load_file(run_dir / "hf_export" / "model.safetensors")
+        assert written.keys() == given.keys()
+        assert all(torch.equal(written[k], v) for k, v in given.items()), name
+    runs = [
+        (name, [*base[name], *SGD, "strategy=fsdp", "trainer.max_steps=2", "checkpoint.export_hf=true"])
+        for name in families
+    ]
+    train_on_ranks(2, runs, tmp_path / "fsdp")
+    inputs = {
+        "vit": {"pixel_values": torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(0))},
+        "bert": {"input_ids": torch.randint(5, 100, (3, 12), generator=torch.Generator().manual_seed(0))},
+    }
+    for name, auto in (("vit", AutoModelForImageClassification), ("bert", AutoModelForSequenceClassification)):
+        run_dir = tmp_path / "fsdp" / name
+        ours = HFModel(str(families[name][0]), auto.__name__)
+        weights = torch.load(run_dir / "model.pt", weights_only=True)
+        ours.load_state_dict(weights)
+        theirs = auto.from_pretrained(run_dir / "hf_export")
+        ours.eval(), theirs.eval()
+        with torch.no_grad():
+            assert torch.equal(theirs(**inputs[name]).logits, ours.hf(**inputs[name]).logits), name
