@@ -221,7 +221,10 @@ def hf_step(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor]) 
         metrics = getattr(loss_fn, "metrics", None)  # the run's metrics (dtf.train.metrics), if any
         if metrics is not None:  # they judge what the loss judged; one line where they cannot take it
             metrics.update(outputs.logits, labels)
-        return loss, label_count(labels, shifted=_loss_type(model) == "ForCausalLM")
+        count = label_count(labels, shifted=_loss_type(model) == "ForCausalLM")
+        if count == 0:  # padding alone (data=text's last steps): transformers' mean over no label is NaN
+            loss = outputs.logits.sum() * 0.0  # a zero that counts nothing and gives zero gradients
+        return loss, count
     if labels is None:
         raise UserError(
             f"a dict batch without labels (its keys: {', '.join(map(str, batch))}): the data must give "

@@ -230,6 +230,20 @@ def test_a_dict_batch_without_labels_is_one_line(folders: dict[str, Path]) -> No
         hf_step(model, {"input_ids": torch.ones(2, 4, dtype=torch.long)}, lambda *a: torch.tensor(0.0))
 
 
+def test_a_batch_of_padding_alone_counts_nothing_and_trains_nothing(folders: dict[str, Path]) -> None:
+    # data=text pads the last steps with sequences whose labels are all -100: transformers' mean
+    # over no label is NaN, which would stop the run as diverged. The step is a zero that counts
+    # nothing and gives zero gradients.
+    from dtf.models.hf import hf_step
+
+    model = HFModel(str(folders["llama"]))
+    ids = torch.randint(5, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss, count = hf_step(model, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, lambda *a: torch.tensor(0.0))
+    assert count == 0 and loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     ("settings", "line"),
     [
