@@ -286,3 +286,26 @@ def test_training_on_two_ranks_reports_perplexity_as_exp_of_the_exact_loss(
     for split in ("train", "val"):
         assert figures[f"{split}/perplexity"] == pytest.approx(math.exp(figures[f"{split}/loss"]), rel=1e-9)
     assert figures["val/loss"] < math.log(256)  # it learned something: below a uniform guess
+
+
+def test_model_hf_trains_through_a_step_where_a_rank_holds_padding_alone(model: Path, tmp_path: Path) -> None:
+    # 10 sequences on 2 ranks of 4: the last step's batch is padding alone on a rank (labels all
+    # -100). Its loss counts nothing, trains nothing, and is not mistaken for a diverged step.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(5):  # 10 sequences of 16 tokens: the second step holds 2, and 6 of padding
+        (corpus / f"doc{i}.txt").write_text("Return the number of items.")
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={model}",
+        "data=text",
+        f"data.path={corpus}",
+        "data.seq_len=16",
+        "data.batch_size=4",
+        "metrics=none",
+        "trainer.max_epochs=1",
+        "logger=[]",
+    ]
+    compose_config(overrides)
+    summary = train_on_ranks(2, [("run", overrides)], tmp_path)["run"]
+    assert summary["global_step"] == 2 and math.isfinite(summary["final_train_loss"])
