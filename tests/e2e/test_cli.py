@@ -92,8 +92,8 @@ def test_cfg_job_prints_the_composed_config() -> None:
 def test_help_lists_groups_and_options() -> None:
     out = run_command(dtf_command("--help"), timeout=120).stdout
     for line in (
-        "model: approximator, deep_mlp, mnist_cnn",
-        "data: digits, fake_images, parquet, petastorm, scalar_field",
+        "model: approximator, deep_mlp, hf, mnist_cnn",
+        "data: digits, fake_images, parquet, petastorm, scalar_field, text",
         "strategy: ddp, fsdp, mics, zero",
         "launcher: local, slurm, spark",
         "debug: fast, limit, overfit, profile",
