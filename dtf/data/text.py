@@ -236,7 +236,10 @@ def check_seq_len(cfg: TextDataConfig, name: str) -> None:
 
 def _file_digest(file: Path) -> str:
     with open(file, "rb") as f:
-        return hashlib.file_digest(f, "blake2b").hexdigest()
+        digest = hashlib.blake2b()  # read by chunks (hashlib.file_digest is Python 3.11's; dtf runs on 3.10)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        return digest.hexdigest()
 
 
 def cache_key(corpus: Corpus, cfg: TextDataConfig, tokenizer: str) -> str:
