@@ -601,8 +601,8 @@ class TextDataConfig(BaseDataConfig):
     tokenizer: str | None = None
     # Tokens per sequence: documents joined by EOS, cut into sequences of this length.
     seq_len: int = 1024
-    # The jsonl field, or the Parquet column, that holds the text.
-    text_field: str = "text"
+    # The jsonl field, or the Parquet column, that holds the text (null: "text"); refused for .txt.
+    text_field: str | None = None
     sample_by: SampleBy = SampleBy.document
     # Where the token ids are cached (null: a folder .dtf-tokens beside the text).
     cache_dir: str | None = None

@@ -94,6 +94,11 @@ def list_corpus(path: str, key: str) -> Corpus:
     return Corpus(key, root, kinds[0], tuple(files))
 
 
+def text_field(cfg: TextDataConfig) -> str:
+    """The jsonl field or Parquet column holding the text (data.text_field, "text" when unset)."""
+    return cfg.text_field or "text"
+
+
 def documents(corpus: Corpus, text_field: str, sample_by: SampleBy) -> Iterator[str]:
     """The corpus's documents in order; empty ones are skipped (they hold no token)."""
     for file in corpus.files:
@@ -246,7 +251,7 @@ def cache_key(corpus: Corpus, cfg: TextDataConfig, tokenizer: str) -> str:
     """Everything the sequences depend on: the format, the tokenizer, the files' names and content,
     and the settings that shape them. Content, not modification times: a copy or a same-second
     edit is caught; hashing reads the text once per start (about 1 s per GB), far less than tokenizing it."""
-    setting = {"txt": str(SampleBy(cfg.sample_by).value), "jsonl": cfg.text_field, "parquet": cfg.text_field}
+    setting = {"txt": str(SampleBy(cfg.sample_by).value), "jsonl": text_field(cfg), "parquet": text_field(cfg)}
     h = hashlib.sha256(json.dumps([FORMAT, tokenizer, cfg.seq_len, corpus.kind, setting[corpus.kind]]).encode())
     base = corpus.path if corpus.path.is_dir() else corpus.path.parent
     for file in corpus.files:
@@ -286,6 +291,11 @@ def prepare(cfg: TextDataConfig) -> Prepared:
         if path:
             sources[split] = list_corpus(path, f"data.{split}_path")
     for corpus in sources.values():
+        if corpus.kind == "txt" and cfg.text_field is not None:
+            raise UserError(
+                f"data.text_field={cfg.text_field} applies to .jsonl and Parquet, and {corpus.key}={corpus.path} holds "
+                ".txt files, whose whole text is read: remove it"
+            )
         if corpus.kind != "txt" and cfg.sample_by != SampleBy.document:
             raise UserError(
                 f"data.sample_by={SampleBy(cfg.sample_by).value} applies to .txt files, and {corpus.key}={corpus.path} "
@@ -326,7 +336,7 @@ def _make(missing: Sequence[_Pending], cfg: TextDataConfig, name: str, digest: s
             tmp = Path(tempfile.mkdtemp(prefix=".making-", dir=root))
             made.append((tmp, pending.folder))
             counts = write_sequences(
-                documents(pending.corpus, cfg.text_field, cfg.sample_by), tokenizer, cfg.seq_len, tmp
+                documents(pending.corpus, text_field(cfg), cfg.sample_by), tokenizer, cfg.seq_len, tmp
             )
             if counts["tokens"] == 0:
                 raise UserError(f"{pending.corpus.key}={pending.corpus.path} holds no text: give files with text")

@@ -226,6 +226,9 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(model: Path, co
     (bad / "a.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "no text field"}\n')
     before = sorted(tmp_path.rglob("*"))
     assert one_line(config(corpus, vit)).startswith(f"data.tokenizer={vit} holds no tokenizer")
+    assert one_line(config(corpus, model, text_field="body")).startswith(
+        "data.text_field=body applies to .jsonl and Parquet, and data.path="
+    )  # .txt is read whole: a field there would be ignored
     assert one_line(config(corpus, model, seq_len=65)) == (
         f"data.seq_len=65 is longer than the model's 64 positions (max_position_embeddings in {model}'s "
         "config.json): use data.seq_len=64 or less"
