@@ -427,7 +427,7 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
                     time.sleep(0.001)
             else:
                 time.sleep(rng.uniform(0.0, 1.5))
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill_everything()
         after = _steps(ckpts)
         torn += any(not (p / MARKER).exists() for p in ckpts.glob("step_*"))
         # the newest complete checkpoint never goes backwards, and a resume would pick it

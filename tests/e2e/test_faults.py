@@ -4,8 +4,6 @@ non-ASCII characters, a finished run run again (issue 31)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import sys
 import time
@@ -83,8 +81,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> SharedDir:
             time.sleep(0.05)
         assert winner.poll() is None, log.read_text()[-3000:]
         sockets = listening([winner.pid, *descendants(winner.pid)])
-        os.killpg(winner.pid, signal.SIGKILL)  # kill -9 of the whole run, as a lost node
-        winner.wait()
+        winner.kill_everything()  # kill -9 of the whole run, as a lost node
     newest = int(committed(run_dir / "checkpoints")[0].name.removeprefix("step_"))
     continued = _finish(run_dir, root / "continued.log")
     finished_files = _record_of(run_dir) if continued.returncode == 0 else {}

@@ -18,10 +18,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.sockets import descendants
 
 HELPERS = Path(__file__).resolve().parent
 
@@ -132,14 +135,42 @@ class Started(subprocess.Popen[bytes]):
         """Kills what of it still runs (with SIGKILL) and waits for it."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if self.new_session:
-                os.killpg(self.pid, signal.SIGKILL)
+                self.kill_everything()
             elif self.poll() is None:
                 self.kill()
+        self.wait()
+
+    def kill_everything(self) -> None:
+        """SIGKILL to it and to every process it started, at once, as a lost host: its ranks too,
+        which run in sessions of their own (dtf.launch.local.in_own_session), so that a kill of its
+        process group alone leaves them to end on their own a moment later (torch sends them SIGINT
+        when their parent dies), and a save already under way may still land. Returns once all
+        are gone. Each is stopped first, so that none starts another while the tree is walked."""
+        stopped: set[int] = set()
+        while fresh := [p for p in {self.pid, *descendants(self.pid)} if p not in stopped]:
+            for pid in fresh:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped.update(fresh)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in stopped - {self.pid}) and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.wait()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
         super().__exit__(*exc)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is alive (a zombie is not: it has ended, its parent has not collected it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def start_command(
