@@ -13,6 +13,7 @@ For comparisons of many short multi-rank runs where the launcher is not what is 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,10 @@ def group_of_one() -> Iterator[Any]:
         yield env
     finally:
         dist_env.destroy()
+        # The run's DDP module can be left in a reference cycle. Collected later in a DataLoader
+        # worker forked from this process, its reducer's destructor aborted the worker, and the test
+        # hung (torch 2.10 on Python 3.10, test_fetch.py). So it is collected here.
+        gc.collect()
         for key, value in saved.items():  # init sets MASTER_ADDR/PORT: leave the environment as it was
             if value is None:
                 os.environ.pop(key, None)
