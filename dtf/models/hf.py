@@ -71,6 +71,9 @@ class HFModel(nn.Module):
         else:
             with torch.device("meta") if on_meta else contextlib.nullcontext():
                 self.hf = self.auto.from_config(config, dtype=self.dtype)
+            # transformers 5.0 built on meta leaves tied weights apart (later versions tie them): the
+            # memory check would count them twice, and the strategy would shard them as two tensors.
+            self.hf.tie_weights()
             if pretrained and self.hf.can_generate() and has_file(self.name_or_path, GENERATION_FILE):
                 from transformers import GenerationConfig  # the folder's, as from_pretrained takes it
 

@@ -214,8 +214,10 @@ def test_blocks_are_transformers_no_split_modules(folders: dict[str, Path]) -> N
     with torch.device("meta"):
         classifier = HFModel(str(folders["bert"]), "AutoModelForSequenceClassification")
         masked_lm = HFModel(str(folders["bert"]), "AutoModelForMaskedLM", pretrained=False)
-    # BertEmbeddings is no child of a ModuleList: the default rule alone would leave it out.
-    assert [type(b).__name__ for b in find_blocks(classifier, None)] == ["BertEmbeddings", "BertLayer", "BertLayer"]
+    assert classifier.block_classes == sorted(classifier.hf._no_split_modules or [])
+    if "BertEmbeddings" in classifier.block_classes:  # (transformers 5.0 names none for BERT: the default rule)
+        # BertEmbeddings is no child of a ModuleList: the default rule alone would leave it out.
+        assert [type(b).__name__ for b in find_blocks(classifier, None)] == ["BertEmbeddings", "BertLayer", "BertLayer"]
     # Tied to the output layer, the embeddings cannot be a unit of their own: they stay in the root's.
     assert [type(b).__name__ for b in find_blocks(masked_lm, None)] == ["BertLayer", "BertLayer"]
     # A class the user names still wins.
