@@ -474,11 +474,9 @@ def _check_performance_switches(run: RunConfig) -> None:
     model = _meta_model(run)
     if model is None:
         return
-    from dtf.models.blocks import find_blocks
-    from dtf.train.blocks import compile_targets
+    from dtf.train.blocks import checkpointed_blocks, compile_targets
 
-    if t.activation_checkpointing:
-        find_blocks(model, t.activation_checkpointing, key="trainer.activation_checkpointing")
+    checkpointed_blocks(model, t.activation_checkpointing, getattr(run.strategy, "block_classes", None))
     if t.compile == "blocks" and not compile_targets(model, "blocks", getattr(run.strategy, "block_classes", None)):
         raise UserError(
             "trainer.compile=blocks: the model has no blocks (no nn.Sequential / nn.ModuleList children, no children "

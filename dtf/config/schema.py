@@ -121,9 +121,11 @@ class TrainerConfig:
     precision: str = "32"
     # false, true (torch.compile the model) or blocks (compile each block, as FSDP shards them).
     compile: bool | str = False
-    # Class names of the modules whose activations are recomputed in backward instead of stored
-    # (e.g. [TransformerEncoderLayer]); null: none.
-    activation_checkpointing: list[str] | None = None
+    # The modules whose activations are recomputed in backward instead of stored: their class
+    # names (e.g. [TransformerEncoderLayer]), or blocks (the model's blocks, as the strategy shards
+    # them: model=hf's from transformers' _no_split_modules); null: none.
+    # (Any: OmegaConf types no union of a list and a string; __post_init__ checks it.)
+    activation_checkpointing: Any = None
     # Before the model is built: the bytes of model state (parameters, gradients, optimizer state)
     # each rank will hold, by the strategy's ZeRO formula, against this node's free memory (the
     # GPU's on CUDA). refuse: stop with one line when they cannot fit; warn: say so and run.
@@ -242,11 +244,19 @@ class TrainerConfig:
             self.compile,
             "choose false, true (the whole model) or blocks (each block)",
         )
+        checkpointing = self.activation_checkpointing
         require(
-            self.activation_checkpointing is None or len(self.activation_checkpointing) > 0,
+            checkpointing is None
+            or checkpointing == "blocks"
+            or (
+                isinstance(checkpointing, list)
+                and len(checkpointing) > 0
+                and all(isinstance(c, str) for c in checkpointing)
+            ),
             "trainer.activation_checkpointing",
-            self.activation_checkpointing,
-            "name the block classes to recompute, e.g. [TransformerEncoderLayer], or null for none",
+            checkpointing,
+            "name the block classes to recompute, e.g. [TransformerEncoderLayer], blocks (the model's own), "
+            "or null for none",
         )
 
     def steps_per_epoch(self, num_batches: int) -> int:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from dtf.errors import UserError
 from dtf.models.blocks import find_blocks
 
 
@@ -35,11 +36,30 @@ def outermost(blocks: list[nn.Module]) -> list[nn.Module]:
     return [b for b in blocks if id(b) not in inner]
 
 
-def checkpoint_activations(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
-    """Recompute in backward the activations of every module of the named classes; returns them."""
-    if not class_names:
+def checkpointed_blocks(
+    model: nn.Module, setting: list[str] | str | None, block_classes: list[str] | None
+) -> list[nn.Module]:
+    """What trainer.activation_checkpointing recomputes: the modules of the named classes, or with
+    blocks the model's blocks as the strategy finds them (its block_classes, else the model's own:
+    model=hf's _no_split_modules, else the default rule)."""
+    if not setting:
         return []
-    blocks = outermost(find_blocks(model, class_names, key="trainer.activation_checkpointing"))
+    if setting == "blocks":
+        found = outermost(find_blocks(model, block_classes))
+        if not found:
+            raise UserError(
+                "trainer.activation_checkpointing=blocks: the model has no blocks (no nn.Sequential / nn.ModuleList "
+                "children, no children with parameters); name the classes: trainer.activation_checkpointing=[<class>]"
+            )
+        return found
+    return outermost(find_blocks(model, list(setting), key="trainer.activation_checkpointing"))
+
+
+def checkpoint_activations(
+    model: nn.Module, setting: list[str] | str | None, block_classes: list[str] | None
+) -> list[nn.Module]:
+    """Recompute in backward the activations of what checkpointed_blocks names; returns them."""
+    blocks = checkpointed_blocks(model, setting, block_classes)
     for block in blocks:
         block.forward = _checkpointed(block.forward)
     return blocks

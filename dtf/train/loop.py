@@ -207,7 +207,8 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
             "model builds several modules: set trainer.step_fn._target_ to a function "
             "(model, batch, loss_fn) -> loss that calls them"
         )
-    blocks.checkpoint_activations(model, t.activation_checkpointing)  # before the strategy wraps the model
+    # before the strategy wraps the model
+    blocks.checkpoint_activations(model, t.activation_checkpointing, getattr(run.strategy, "block_classes", None))
     return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
 
 

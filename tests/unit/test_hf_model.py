@@ -224,6 +224,42 @@ def test_blocks_are_transformers_no_split_modules(folders: dict[str, Path]) -> N
     assert [type(b).__name__ for b in find_blocks(classifier, ["BertLayer"])] == ["BertLayer", "BertLayer"]
 
 
+def test_activation_checkpointing_of_blocks_recomputes_the_decoder_layers_and_trains_alike(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    from dtf.train.blocks import checkpointed_blocks
+
+    with torch.device("meta"):
+        model = HFModel(str(folders["llama"]), pretrained=False)
+    assert [type(b).__name__ for b in checkpointed_blocks(model, "blocks", None)] == ["LlamaDecoderLayer"] * 2
+    assert [type(b).__name__ for b in checkpointed_blocks(model, "blocks", ["LlamaMLP"])] == ["LlamaMLP"] * 2
+    # recomputed: each layer's attention runs twice in a training step, once in forward, once in backward
+    from dtf.train.blocks import checkpoint_activations
+
+    real = HFModel(str(folders["llama"]))
+    checkpoint_activations(real, "blocks", None)
+    calls: list[str] = []
+    for name, module in real.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_hook(lambda *_, name=name: calls.append(name))
+    ids = torch.randint(0, real.hf.config.vocab_size, (2, 5))
+    real.hf(input_ids=ids, labels=ids).loss.backward()
+    assert sorted(calls) == sorted(2 * ["hf.model.layers.0.self_attn", "hf.model.layers.1.self_attn"])
+    # trained with and without: the same parameters bit for bit (the recomputation is the forward again)
+    data = ["trainer.max_steps=3", *token_data_overrides("causal_lm", folders["llama"]), "+data.dataset.length=4"]
+    data += ["+data.dataset.num_train=24", "+data.dataset.num_test=8", "metrics=none", "model=hf"]
+    data += [f"model.name_or_path={folders['llama']}"]
+    plain = train_in_process(data, tmp_path / "plain")
+    recomputed = train_in_process([*data, "trainer.activation_checkpointing=blocks"], tmp_path / "ac")
+    assert recomputed["params_sha256"] == plain["params_sha256"]
+
+
+def test_activation_checkpointing_takes_class_names_blocks_or_null_and_refuses_the_rest() -> None:
+    for bad in ("[]", "all", "[1]"):
+        with pytest.raises(UserError, match=r"trainer.activation_checkpointing.*blocks \(the model's own\)"):
+            validate(compose(f"trainer.activation_checkpointing={bad}"))
+
+
 def test_a_dict_batch_without_labels_is_one_line(folders: dict[str, Path]) -> None:
     from dtf.models.hf import hf_step
 

@@ -187,7 +187,7 @@ def test_activation_checkpointing_recomputes_every_block_and_changes_no_bit(tmp_
 def test_the_switches_keep_parameter_names_and_state_dict_keys() -> None:
     model = Approximator()
     names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
-    assert len(checkpoint_activations(model, ["Linear"])) == 3
+    assert len(checkpoint_activations(model, ["Linear"], None)) == 3
     assert len(compile_model(model, "blocks", None)) == 3
     assert len(compile_model(model, True, None)) == 1
     assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
