@@ -7,9 +7,10 @@ The transformers model is the attribute `hf`, so dtf's state-dict keys (checkpoi
 dtf.models.for_shards) it is the model's skeleton from its config; the strategy allocates
 it (each rank its shards), initialises it (dtf.strategy.base.initialise: reset_parameters, here
 transformers' own initialisation, which also computes the buffers no file holds) and then calls
-load_pretrained_in_place: rank 0 reads the files with from_pretrained and every rank receives its
-part of each tensor, one tensor at a time, through torch.distributed.checkpoint's state-dict API.
-Only rank 0 ever holds the whole model.
+load_pretrained_in_place: where every rank can read the folder's safetensors files, each reads the
+slices of them its shards hold (no process holds the whole model); otherwise rank 0 reads the files
+with from_pretrained and every rank receives its part of each tensor, one tensor at a time, through
+torch.distributed.checkpoint's state-dict API. Only rank 0 ever holds the whole model.
 
 transformers is imported inside the functions: importing this module costs nothing.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -78,13 +80,18 @@ class HFModel(nn.Module):
                 from transformers import GenerationConfig  # the folder's, as from_pretrained takes it
 
                 self.hf.generation_config = GenerationConfig.from_pretrained(self.name_or_path)
+        self.takes_use_cache = "use_cache" in inspect.signature(self.hf.forward).parameters
         # Built on meta with pretrained weights: they come in load_pretrained_in_place, once the
         # strategy has allocated the model (or its shards).
         self.weights_pending = pretrained and on_meta
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args and not kwargs and len(args) == 1:
-            return self.hf(args[0]).logits
+        if self.training and self.takes_use_cache:
+            # No key/value cache in training: it is of use to generation alone, and activation
+            # checkpointing's recomputation would append to it a second time (transformers 5.0).
+            kwargs.setdefault("use_cache", False)
+        if len(args) == 1 and set(kwargs) <= {"use_cache"}:
+            return self.hf(args[0], **kwargs).logits
         return self.hf(*args, **kwargs)
 
     @property
@@ -120,17 +127,85 @@ class HFModel(nn.Module):
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            full: dict[str, Any] = dict(self._read_pretrained()) if dist.get_rank() == 0 else {}
-            set_model_state_dict(self, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            if _everywhere(self._readable_by_shard()):
+                self._load_by_shard()
+            else:
+                full: dict[str, Any] = dict(self._read_pretrained()) if dist.get_rank() == 0 else {}
+                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                set_model_state_dict(self, full, options=options)
         else:
             self.load_state_dict(self._read_pretrained())
         self.weights_pending = False
+
+    def _readable_by_shard(self) -> bool:
+        """Whether this rank can read its part of every tensor straight from the folder's safetensors
+        files: a local folder (a Hub id is downloaded by rank 0 alone) whose files hold each of the
+        model's tensors under transformers' own name and shape, a tied one at least once. Where
+        from_pretrained would convert keys or fill in tensors, rank 0 loads the model instead."""
+        shapes = _safetensors_shapes(Path(self.name_or_path).expanduser())
+        if not shapes:
+            return False
+        tensors = self.hf.state_dict(keep_vars=True)
+        in_files = {id(t) for key, t in tensors.items() if key in shapes}
+        for key, tensor in tensors.items():
+            if key in shapes:
+                if list(tensor.shape) != shapes[key]:
+                    return False
+            elif id(tensor) not in in_files:  # neither in the files nor tied to a tensor that is
+                return False
+        return True
+
+    def _load_by_shard(self) -> None:
+        """Every rank reads the slices of the files that make its shards (torch.distributed.checkpoint's
+        reader of Hugging Face safetensors: safetensors' get_slice), one file at a time: no process
+        holds the whole model."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        folder = Path(self.name_or_path).expanduser()
+        keys = _safetensors_shapes(folder) or {}
+        mine = get_model_state_dict(self)  # this rank's shards (DTensors), or whole tensors
+        wanted = {k.removeprefix("hf."): v for k, v in mine.items() if k.removeprefix("hf.") in keys}
+        dcp_load(wanted, storage_reader=HuggingFaceStorageReader(str(folder)))
+        loaded = {f"hf.{k}": v for k, v in wanted.items()}
+        set_model_state_dict(self, loaded, options=StateDictOptions(strict=False))  # the tied ones follow
 
     def _read_pretrained(self) -> dict[str, torch.Tensor]:
         """The whole model's pretrained weights under this module's keys, as from_pretrained loads
         them (its key conversions, shards, tied weights), on the CPU."""
         loaded = self.auto.from_pretrained(self.name_or_path, dtype=self.dtype)
         return {f"hf.{k}": v for k, v in loaded.state_dict().items()}
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
+    """The shape of each tensor in the folder's safetensors files (their headers alone), as
+    torch.distributed.checkpoint's reader sees them; None where there are none, or where a name
+    is in two files (the index would choose: from_pretrained's way)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open's handle is no mapping)
+                if key in shapes:
+                    return None
+                shapes[key] = list(f.get_slice(key).get_shape())
+    return shapes or None
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ok holds on every rank (a collective; on the side gloo group where there is one)."""
+    from dtf.dist.env import side_group
+
+    answers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, ok, group=side_group())
+    return all(answers)
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype:

@@ -236,14 +236,14 @@ def test_activation_checkpointing_of_blocks_recomputes_the_decoder_layers_and_tr
     # recomputed: each layer's attention runs twice in a training step, once in forward, once in backward
     from dtf.train.blocks import checkpoint_activations
 
-    real = HFModel(str(folders["llama"]))
+    real = HFModel(str(folders["llama"])).train()
     checkpoint_activations(real, "blocks", None)
     calls: list[str] = []
     for name, module in real.named_modules():
         if name.endswith("self_attn"):
             module.register_forward_hook(lambda *_, name=name: calls.append(name))
     ids = torch.randint(0, real.hf.config.vocab_size, (2, 5))
-    real.hf(input_ids=ids, labels=ids).loss.backward()
+    real(input_ids=ids, labels=ids).loss.backward()
     assert sorted(calls) == sorted(2 * ["hf.model.layers.0.self_attn", "hf.model.layers.1.self_attn"])
     # trained with and without: the same parameters bit for bit (the recomputation is the forward again)
     data = ["trainer.max_steps=3", *token_data_overrides("causal_lm", folders["llama"]), "+data.dataset.length=4"]
