@@ -127,8 +127,10 @@ class HFModel(nn.Module):
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            if _everywhere(self._readable_by_shard()):
-                self._load_by_shard()
+            shapes = self._shard_readable_shapes()
+            if _everywhere(shapes is not None):
+                assert shapes is not None
+                self._load_by_shard(shapes)
             else:
                 full: dict[str, Any] = dict(self._read_pretrained()) if dist.get_rank() == 0 else {}
                 options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -137,25 +139,26 @@ class HFModel(nn.Module):
             self.load_state_dict(self._read_pretrained())
         self.weights_pending = False
 
-    def _readable_by_shard(self) -> bool:
-        """Whether this rank can read its part of every tensor straight from the folder's safetensors
-        files: a local folder (a Hub id is downloaded by rank 0 alone) whose files hold each of the
-        model's tensors under transformers' own name and shape, a tied one at least once. Where
-        from_pretrained would convert keys or fill in tensors, rank 0 loads the model instead."""
+    def _shard_readable_shapes(self) -> dict[str, list[int]] | None:
+        """The shapes of the tensors in the folder's safetensors files where this rank can read its
+        part of every tensor straight from them: a local folder (a Hub id is downloaded by rank 0
+        alone) whose files hold each of the model's tensors under transformers' own name and shape,
+        a tied one at least once; else None. Where from_pretrained would convert keys or fill in
+        tensors, rank 0 loads the model instead."""
         shapes = _safetensors_shapes(Path(self.name_or_path).expanduser())
         if not shapes:
-            return False
+            return None
         tensors = self.hf.state_dict(keep_vars=True)
         in_files = {id(t) for key, t in tensors.items() if key in shapes}
         for key, tensor in tensors.items():
             if key in shapes:
                 if list(tensor.shape) != shapes[key]:
-                    return False
+                    return None
             elif id(tensor) not in in_files:  # neither in the files nor tied to a tensor that is
-                return False
-        return True
+                return None
+        return shapes
 
-    def _load_by_shard(self) -> None:
+    def _load_by_shard(self, shapes: dict[str, list[int]]) -> None:
         """Every rank reads the slices of the files that make its shards (torch.distributed.checkpoint's
         reader of Hugging Face safetensors: safetensors' get_slice), one file at a time: no process
         holds the whole model."""
@@ -167,11 +170,9 @@ class HFModel(nn.Module):
             set_model_state_dict,
         )
 
-        folder = Path(self.name_or_path).expanduser()
-        keys = _safetensors_shapes(folder) or {}
         mine = get_model_state_dict(self)  # this rank's shards (DTensors), or whole tensors
-        wanted = {k.removeprefix("hf."): v for k, v in mine.items() if k.removeprefix("hf.") in keys}
-        dcp_load(wanted, storage_reader=HuggingFaceStorageReader(str(folder)))
+        wanted = {k.removeprefix("hf."): v for k, v in mine.items() if k.removeprefix("hf.") in shapes}
+        dcp_load(wanted, storage_reader=HuggingFaceStorageReader(str(Path(self.name_or_path).expanduser())))
         loaded = {f"hf.{k}": v for k, v in wanted.items()}
         set_model_state_dict(self, loaded, options=StateDictOptions(strict=False))  # the tied ones follow
 
