@@ -9,7 +9,6 @@ Every failure is a UserError whose message names the key and says how to fix it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import os
 import subprocess
@@ -22,7 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dtf.config.keys import SECTIONS, unknown_top_level_line
+from dtf.config.keys import SECTIONS, section_key_hint, unknown_top_level_line
 from dtf.config.schema import (
     CheckpointConfig,
     LocalLauncherConfig,
@@ -197,8 +196,7 @@ def _check_known_keys(node: DictConfig, section: str) -> None:
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in map(str, node):
         if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"did you mean {section}.{close[0]}?" if close else f"its keys: {', '.join(sorted(fields))}"
+            hint = section_key_hint(section, key, fields)
             raise UserError(f"{section}.{key} is not a setting of dtf's {section} ({hint}); remove +{section}.{key}")
 
 

@@ -58,6 +58,42 @@ FOREIGN = {
 }
 
 
+# Lightning Trainer's arguments (lightning-hydra-template's trainer/*.yaml sets them), under dtf's
+# trainer section, and what dtf has instead.
+FOREIGN_TRAINER = {
+    "fast_dev_run": "use debug=fast: two steps and two batches of each evaluated split, nothing kept",
+    "val_check_interval": "use trainer.eval_every_n_epochs, a fraction of an epoch too, or trainer.eval_every_n_steps",
+    "check_val_every_n_epoch": "use trainer.eval_every_n_epochs",
+    "devices": "use launcher.nproc, the ranks per node",
+    "gpus": "use launcher.nproc, the ranks per node",
+    "num_nodes": "use launcher.nnodes",
+    "accelerator": "use trainer.device: auto, cpu or cuda",
+    "strategy": "strategy is the group of strategies: strategy=ddp|zero|fsdp|mics",
+    "accumulate_grad_batches": "use trainer.grad_accum_steps",
+    "gradient_clip_val": "use trainer.grad_clip_norm",
+    "limit_val_batches": "use trainer.limit_eval_batches",
+    "limit_test_batches": "use trainer.limit_eval_batches",
+    "max_time": "dtf has no time limit: bound the run with trainer.max_steps or trainer.max_epochs; a scheduler's "
+    "time limit stops it at a checkpoint through checkpoint.stop_signals",
+    "min_epochs": "dtf trains to trainer.max_epochs, or until trainer.early_stopping stops it",
+    "min_steps": "dtf trains to trainer.max_steps, or until trainer.early_stopping stops it",
+    "num_sanity_val_steps": "dtf runs no sanity evaluation before training: debug=fast checks a config in seconds",
+    "default_root_dir": "the run directory is hydra.run.dir, hydra.sweep.dir for a sweep",
+    "enable_progress_bar": "use trainer.progress: auto, bar, lines or off",
+    "enable_checkpointing": "checkpoints follow checkpoint.every_n_steps and checkpoint.every_n_epochs",
+    "detect_anomaly": "non-finite losses and gradients are caught by trainer.on_nonfinite",
+}
+
+
+def section_key_hint(section: str, name: str, fields: set[str]) -> str:
+    """What a key dtf does not know inside one of its sections should be instead: its Lightning
+    equivalent, else the nearest key by spelling, else the section's keys."""
+    if section == "trainer" and name in FOREIGN_TRAINER:
+        return FOREIGN_TRAINER[name]
+    close = difflib.get_close_matches(name, sorted(fields), n=1)
+    return f"did you mean {section}.{close[0]}?" if close else f"its keys: {', '.join(sorted(fields))}"
+
+
 def nearest(key: str, known: list[str] | tuple[str, ...] = SECTIONS) -> str:
     """What a key dtf does not know at the top of the config should be instead, as a hint."""
     head = key.split(".")[0]
@@ -75,6 +111,8 @@ def unknown_top_level_line(key: str) -> str:
 
 
 _COULD_NOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+# Hydra's words when the key is a config group that the defaults list does not select.
+_APPEND_TO_DEFAULTS = re.compile(r"No match in the defaults list\.\s*To append to your default list use (\S+)")
 
 
 def override_hint(message: str) -> str | None:
@@ -84,15 +122,16 @@ def override_hint(message: str) -> str | None:
     if found is None:
         return None
     key = found.group(1)
+    group = _APPEND_TO_DEFAULTS.search(message)
+    if group is not None:  # experiment=x, debug=fast without the + that adds a group: Hydra's advice stands
+        return f"{key} is a config group the defaults do not choose from: add one of its options with {group.group(1)}"
     if "." not in key:
         return unknown_top_level_line(key)
     section, name = key.split(".", 1)
     fields = section_fields(section)
     if not fields or "." in name:
         return None
-    close = difflib.get_close_matches(name, sorted(fields), n=1)
-    hint = f"did you mean {section}.{close[0]}?" if close else f"its keys: {', '.join(sorted(fields))}"
-    return f"{key} is not a setting of dtf's {section} ({hint})"
+    return f"{key} is not a setting of dtf's {section} ({section_key_hint(section, name, fields)})"
 
 
 def section_fields(section: str) -> set[str]:

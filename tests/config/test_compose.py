@@ -129,6 +129,40 @@ def test_composition_errors_name_the_key(override: str, names: list[str]) -> Non
 
 
 @pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        # lightning-hydra-template's spelling of an experiment: a group the defaults do not choose from
+        (
+            "experiment=digits_cnn",
+            "experiment is a config group the defaults do not choose from: add one of its "
+            "options with +experiment=digits_cnn",
+        ),
+        # Lightning Trainer's arguments: their equivalents, not a list of dtf's keys
+        ("trainer.fast_dev_run=true", "trainer.fast_dev_run is not a setting of dtf's trainer (use debug=fast:"),
+        (
+            "trainer.val_check_interval=0.5",
+            "trainer.val_check_interval is not a setting of dtf's trainer (use trainer.eval_every_n_epochs",
+        ),
+        ("trainer.devices=4", "trainer.devices is not a setting of dtf's trainer (use launcher.nproc"),
+        ("trainer.accumulate_grad_batches=4", "(use trainer.grad_accum_steps)"),
+        ("trainer.max_time=00:01:00", "(dtf has no time limit: bound the run with trainer.max_steps"),
+        ("trainer.max_step=3", "trainer.max_step is not a setting of dtf's trainer (did you mean trainer.max_steps?)"),
+    ],
+)
+def test_a_composition_error_is_dtfs_line_with_the_equivalent(override: str, line: str) -> None:
+    from dtf.config.keys import config_error_line
+
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(override)
+    assert line in config_error_line(err.value)
+
+
+def test_a_lightning_key_added_with_a_plus_is_refused_naming_its_equivalent() -> None:
+    with pytest.raises(UserError, match=r"trainer.fast_dev_run is not a setting of dtf's trainer \(use debug=fast"):
+        validate(compose("+trainer.fast_dev_run=1"))
+
+
+@pytest.mark.parametrize(
     ("overrides", "key"),
     [
         (["launcher.nproc=0"], "launcher.nproc"),
