@@ -257,7 +257,7 @@ class Trainer:
         if step % self.s.log_every_n_steps == 0 or last:
             self._log_step(progress)
         keep = False
-        if self.validator.should_validate(step, last, epoch_ends):
+        if self.validator.should_validate(step, last, epoch_ends, lambda: self._epochs_done() - self.state.epoch):
             self._settle_nonfinite()
             # Before the step's checkpoint, which then holds this evaluation (and what it decided).
             keep = self.validator.validate(self.model, progress, self._epochs_done())

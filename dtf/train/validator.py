@@ -6,7 +6,7 @@ epoch ends; dtf.eval uses evaluate() alone."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -80,15 +80,21 @@ class Validator:
         self.strategy: Strategy | None = keep_best[1] if keep_best else None
         self.best_model_path: Path | None = keep_best[2] if keep_best else None
         self.keep_step_saved = False  # the latest judged step is one of checkpoint.keep_best
-        self.every_n_steps = self.s.eval_step_interval(steps_per_epoch)  # within epochs (None: at their ends)
+        self.steps_per_epoch = steps_per_epoch
+        self.points_in_epoch = self.s.eval_points_in_epoch(steps_per_epoch)  # a fraction of an epoch's
 
     # -- when -------------------------------------------------------------------------------
-    def should_validate(self, step: int, last: bool, epoch_ends: bool) -> bool:
+    def should_validate(self, step: int, last: bool, epoch_ends: bool, epoch_fraction: Callable[[], float]) -> bool:
         """An evaluation within the epoch is due after this step (not where the epoch's end
-        evaluates anyway: always after the run's last step)."""
-        if not self.every_n_steps or step % self.every_n_steps:
-            return False
-        return not (last or (epoch_ends and self.epoch_end_evaluates()))
+        evaluates anyway: always after the run's last step). epoch_fraction(): how much of the
+        current epoch is done, which places a fraction's evaluations in every epoch alike, also
+        after a resume on another world size."""
+        if self.s.eval_every_n_steps is not None:
+            due = step % self.s.eval_every_n_steps == 0
+        else:
+            due = bool(self.points_in_epoch) and not epoch_ends
+            due = due and round(epoch_fraction() * self.steps_per_epoch) in self.points_in_epoch
+        return due and not (last or (epoch_ends and self.epoch_end_evaluates()))
 
     def epoch_end_evaluates(self) -> bool:
         """The current epoch's end is one trainer.eval_every_n_epochs asks for (every epoch's, for

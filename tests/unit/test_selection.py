@@ -100,6 +100,20 @@ def test_evaluations_every_n_steps_come_with_the_epoch_ends(tmp_path: Path) -> N
     assert [e["step"] for e in s["evaluations"]] == [20, 40, 50, 60, 80, 100]
 
 
+def test_a_fraction_of_an_odd_epoch_evaluates_as_often_as_it_says(tmp_path: Path) -> None:
+    from dtf.config.schema import TrainerConfig
+
+    # Lightning's val_check_interval=0.5 on 81 batches validates twice: so does dtf (after 40, and at the end)
+    assert TrainerConfig(eval_every_n_epochs=0.5).eval_points_in_epoch(81) == {40}
+    assert TrainerConfig(eval_every_n_epochs=0.25).eval_points_in_epoch(81) == {20, 40, 61}
+    assert TrainerConfig(eval_every_n_epochs=0.3).eval_points_in_epoch(10) == {3, 6, 9}
+    s = _run(tmp_path, "run", "trainer.max_epochs=2", "trainer.eval_every_n_epochs=0.5", "data.batch_size=33")
+    per_epoch = s["global_step"] // 2
+    assert per_epoch % 2 == 1, per_epoch  # odd: half an epoch is no whole step
+    half = round(per_epoch / 2)
+    assert [e["step"] for e in s["evaluations"]] == [half, per_epoch, per_epoch + half, 2 * per_epoch]
+
+
 def test_early_stopping_stops_at_the_known_step_and_a_rerun_finds_it_finished(tmp_path: Path) -> None:
     # No evaluation after the first beats it by 1e9: with patience 2 the third evaluation stops the run.
     args = ["trainer.max_epochs=10", "trainer.early_stopping.patience=2", "trainer.early_stopping.min_delta=1e9"]
