@@ -241,7 +241,9 @@ class Sweep:
             overrides = [o for o in overrides if key_of(o) != "trainer.objective"]
             overrides.append(f"trainer.objective={self.objectives[0]}")
         cmd = [*self.command(), *overrides, *self.passthrough(), f"hydra.run.dir={trial_dir}"]
-        cmd += self.trial_overrides(frozen)
+        # A single run, whatever the config says: lightning-hydra-template's hparams_search files set
+        # hydra.mode: MULTIRUN (to sweep without -m), which would make every trial a sweep again.
+        cmd += ["hydra.mode=RUN", *self.trial_overrides(frozen)]
         record = {
             "number": frozen.number,
             "params": frozen.params,
@@ -304,6 +306,8 @@ class Sweep:
             _tell(study, r.trial.number, values=values)
         else:
             why = f"exit status {code}" if code != 0 else f"no finite {', '.join(self.objectives)}"
+            error = _last_error(trial_dir / LOG_FILE) if code != 0 else None  # the reason, not only where it is
+            why += f": {error.removeprefix('dtf: error: ')}" if error else ""
             state, text = optuna.trial.TrialState.FAIL, f"failed ({why}; see {trial_dir / LOG_FILE})"
             _tell(study, r.trial.number, state=state)
         record_value = values if len(self.objectives) > 1 else value

@@ -183,8 +183,58 @@ def test_a_failed_trial_is_failed_a_stopped_one_waits_for_the_next_run_and_the_s
     assert {n: r["state"] for n, r in records.items()} == {n: expected[k] for n, k in kinds.items()}
     assert set(expected[k] for k in kinds.values()) == {"complete", "fail", "stopped"}, kinds
     (failed,) = [n for n, k in kinds.items() if k == (0, "raise")]
-    assert f"dtf: trial {failed} failed (exit status 1; see {sweep_dir / str(failed) / 'trial.log'})" in run.stdout
+    # the reason in the sweep's own line, not only in the trial's log
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith(f"dtf: trial {failed} failed")]
+    assert line.startswith(f"dtf: trial {failed} failed (exit status 1: rank 0 failed: RuntimeError: injected failure")
+    assert f"; see {sweep_dir / str(failed) / 'trial.log'})" in line, line
     assert "RuntimeError: injected failure" in (sweep_dir / str(failed) / "trial.log").read_text()
     (stopped,) = [n for n, k in kinds.items() if k == (0, "SIGUSR1")]
     assert f"dtf: trial {stopped} stopped at a checkpoint" in run.stdout
     assert "2 completed, 0 pruned, 1 failed, 1 stopped (the same command continues them)" in run.stdout
+
+
+# lightning-hydra-template's configs/hparams_search/mnist_optuna.yaml as a user ports it to dtf: its
+# sweeper (dtf's for Hydra's Optuna sweeper), its metric and search space (dtf's keys), and its
+# `hydra: mode: "MULTIRUN"` line kept, so that `python -m dtf hparams_search=...` sweeps without -m.
+LHT_SEARCH = """\
+# @package _global_
+
+# example hyperparameter optimization of some experiment with Optuna:
+# python -m dtf +hparams_search=mnist_optuna
+
+defaults:
+  - override /hydra/sweeper: dtf
+
+trainer:
+  objective: test/loss
+
+hydra:
+  mode: "MULTIRUN" # set hydra to multirun by default if this config is attached
+
+  sweeper:
+    direction: minimize
+    n_trials: 2
+    sampler:
+      seed: 1234
+      n_startup_trials: 10 # number of random sampling runs before optimization starts
+    params:
+      optimizer.lr: interval(0.0001, 0.1)
+"""
+
+
+def test_lightning_hydra_templates_hparams_search_with_its_multirun_mode_runs_each_trial_once(tmp_path: Path) -> None:
+    conf = tmp_path / "conf" / "hparams_search"
+    conf.mkdir(parents=True)
+    (conf / "mnist_optuna.yaml").write_text(LHT_SEARCH)
+    sweep_dir = tmp_path / "sweep"
+    run = run_dtf(  # no -m: the config's hydra.mode makes it a sweep
+        [*SMALL, "trainer.max_steps=3", "+hparams_search=mnist_optuna", f"hydra.sweep.dir={sweep_dir}"],
+        tmp_path / "not_a_run",
+        options=[f"--config-dir={tmp_path / 'conf'}"],
+    )
+    assert "2 trial(s), 2 completed, 0 pruned, 0 failed" in run.stdout, run.stdout[-3000:]
+    found = trials(sweep_dir)
+    assert sorted(found) == [0, 1] and all(t["state"] == "complete" for t in found.values())
+    for number in found:  # each a single run in its own directory, not a sweep of its own
+        summary = json.loads((sweep_dir / str(number) / "summary.json").read_text())
+        assert summary["global_step"] == 3
