@@ -50,6 +50,14 @@ class Shard(Dataset):
     def __getitem__(self, i: int) -> Any:
         return self.dataset[self.indices[i]]
 
+    def __getattr__(self, name: str) -> Any:
+        """The user's dataset's own attributes (a TensorDataset's tensors, torchvision's classes and
+        targets), as they are on the whole dataset: code written for it reads them unchanged; only
+        len() and indexing give this rank's share. (Called for what the share itself lacks.)"""
+        if name.startswith("__") or name in ("dataset", "indices", "whole", "name", "_sampler"):
+            raise AttributeError(name)  # not set yet (while unpickled in a DataLoader worker)
+        return getattr(self.dataset, name)
+
 
 @contextlib.contextmanager
 def watching_samplers(shards: list[Shard], is_main: bool) -> Iterator[None]:

@@ -81,3 +81,17 @@ def mean_ids(module, hparams, train_set, test_set, val_set):  # type: ignore[no-
     val_ids = torch.stack([torch.as_tensor(val_set[i][1]) for i in range(len(val_set))]).double()
     test_ids = torch.stack([torch.as_tensor(test_set[i][1]) for i in range(len(test_set))]).double()
     return {"val/mean_id": val_ids.mean().item(), "mean_id": test_ids.mean().item()}
+
+
+def reads_its_datasets_attributes(module, hparams, train_set, test_set):  # type: ignore[no-untyped-def]
+    """Code written for the whole TensorDataset: reads .tensors (and a torchvision-style .classes
+    where the dataset has one); len() and indexing are this rank's share."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = train_set.tensors[0]  # the whole training set, as the user built it
+    if not torch.equal(train_set[1][0], x[rank + world]):  # the share: samples rank, rank + world, ...
+        raise AssertionError("indexing is not this rank's share")
+    if len(train_set) != len(x) // world:
+        raise AssertionError(f"len {len(train_set)} is not this rank's share of {len(x)}")
+    return {"train_rows": float(len(x)), "test_rows": float(len(test_set.tensors[0]))}

@@ -3,6 +3,7 @@ return and how it is judged (the multi-rank behaviour: tests/dist/test_function_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,25 @@ def test_a_function_without_a_val_set_parameter_is_refused_where_the_data_has_on
         function_in_process(
             ["trainer.fn._target_=returned_values.accuracy", "data.val_fraction=0.1", *SMALL], tmp_path / "run"
         )
+
+
+def _attributes_on_ranks(rank: int, world_size: int, run_dir: Path) -> None:
+    from dtf.config.typed import typed
+    from dtf.dist import env as dist_env
+    from dtf.train import function
+
+    torch.set_num_threads(1)
+    env = dist_env.init("cpu", "gloo", 60.0)
+    overrides = ["trainer=function", "trainer.fn._target_=returned_values.reads_its_datasets_attributes"]
+    cfg = compose_config([f"launcher.nproc={world_size}", *overrides, "trainer.objective=test/test_rows"])
+    function.run(typed(cfg), env, run_dir, None)
+
+
+def test_a_functions_datasets_keep_their_own_attributes_and_give_its_share(tmp_path: Path) -> None:
+    from tests.helpers.gloo import run_on_ranks
+
+    # the default data: 10,000 points, 2,000 of them the test split, in TensorDatasets; 2 ranks, each
+    # checking that indexing and len() are its own share while .tensors is the whole set
+    run_on_ranks(_attributes_on_ranks, 2, tmp_path)
+    result = json.loads((tmp_path / "summary.json").read_text())["result"]
+    assert result["train_rows"] == 8000 and result["test_rows"] == 2000
