@@ -44,7 +44,7 @@ from dtf.config.schema import LocalLauncherConfig
 from dtf.config.typed import RunConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
-from dtf.launch import forkserver_exit, stalls
+from dtf.launch import driver_watch, forkserver_exit, stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
 from dtf.machine import THREADS_CHOSEN, threads_per_rank
@@ -124,7 +124,7 @@ class LocalLauncher(Launcher):
                 preloaded_forkserver(self.cfg.start_method, rank_imports(run.composed), stop_signals),
             ):
                 # (with fn's name: elastic logs it)
-                entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn), fn)
+                entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn, os.getpid()), fn)
                 results = elastic_launch(config, entrypoint)(run, run_dir)
         except RendezvousTimeoutError:
             # Too few nodes to meet launcher.nnodes' MIN (the first time, or after losing nodes) in join_timeout.
@@ -203,7 +203,7 @@ def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
 
 
-def in_own_session(fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
+def in_own_session(fn: WorkerFn, driver: int, run: RunConfig, run_dir: str) -> RunResult | None:
     """A rank starts a session of its own, as torchrun's ranks do (start_new_session=True). Linux's
     autogroup scheduler shares the cores between sessions first: ranks left in the driver's session
     (the terminal's, the test runner's) share one group, and on a busy machine each gets less of a
@@ -228,7 +228,12 @@ def in_own_session(fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | No
         short_temp_dir()
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
-    return fn(run, run_dir)
+    # Out of the driver's session, the rank must end with the driver by itself.
+    rank = int(os.environ.get("RANK", "0"))
+    driver_watch.watch(driver, rank, list(run.checkpoint.stop_signals), run.trainer.dist_timeout_s)
+    result = fn(run, run_dir)
+    driver_watch.finished()
+    return result
 
 
 def _atexit_functions() -> None:

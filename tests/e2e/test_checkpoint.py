@@ -25,10 +25,12 @@ from tests.helpers.run_command import (
     DtfRun,
     Started,
     dtf_command,
+    is_running,
     run_command,
     run_dtf,
     start_command,
 )
+from tests.helpers.sockets import descendants
 
 # Adam (state to restore), a step schedule after a warm-up (scheduler state), 32 batches per epoch.
 COMMON = [
@@ -436,6 +438,40 @@ def test_kill_9_at_random_moments_and_during_saves_never_loses_the_newest_comple
             assert f"resumed from {ckpts / f'step_{before[-1]:09d}'}" in log.read_text()
     assert torn >= 1, "no kill landed during a save: the trials did not test what they claim"
     newest = _steps(ckpts)[-1]
+    final = run_dtf(args, run_dir)
+    assert final.summary["resumed_from_step"] == newest
+    _same_run(final, straight_failing)
+
+
+@pytest.mark.slow
+def test_ranks_whose_driver_is_killed_stop_at_a_checkpoint_within_seconds_and_the_command_continues(
+    tmp_path: Path, straight_failing: DtfRun
+) -> None:
+    # kill -9 of `python -m dtf` alone (the OOM killer's choice, or a user's): its ranks, in sessions
+    # of their own and children of the run's forkserver, trained on with nobody to collect them.
+    args = [*FAILING, "+model.fail_rank=-1", "+model.delay_s=0.05"]
+    run_dir = tmp_path / "run"
+    cmd = dtf_command(*TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}")
+    log = tmp_path / "killed.log"
+    with start_command(cmd, log, new_session=True) as proc:
+        deadline = time.monotonic() + 120
+        while "rank(s), strategy=" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # some steps into training (each forward sleeps 0.05 s)
+        ranks = descendants(proc.pid)  # the forkserver, the ranks, their helpers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        while any(is_running(p) for p in ranks) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        ended_after_s = time.monotonic() - killed
+        left = [p for p in ranks if is_running(p)]
+        for pid in left:  # what the test started, should it fail
+            os.kill(pid, signal.SIGKILL)
+    assert not left and ended_after_s < 15, (ended_after_s, left, log.read_text()[-2000:])
+    assert "the driver (pid" in log.read_text() and "is gone: stopping at a checkpoint" in log.read_text()
+    newest = _steps(run_dir / "checkpoints")[-1]
+    assert 10 <= newest < N  # the stop's own checkpoint, not the last periodic one (every 20 steps)
     final = run_dtf(args, run_dir)
     assert final.summary["resumed_from_step"] == newest
     _same_run(final, straight_failing)

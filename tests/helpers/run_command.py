@@ -156,7 +156,7 @@ class Started(subprocess.Popen[bytes]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while any(_running(pid) for pid in stopped - {self.pid}) and time.monotonic() < deadline:
+        while any(is_running(pid) for pid in stopped - {self.pid}) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.wait()
 
@@ -165,7 +165,7 @@ class Started(subprocess.Popen[bytes]):
         super().__exit__(*exc)
 
 
-def _running(pid: int) -> bool:
+def is_running(pid: int) -> bool:
     """Whether pid is alive (a zombie is not: it has ended, its parent has not collected it yet)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
