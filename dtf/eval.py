@@ -42,14 +42,25 @@ def locate(target: str | Path) -> Target:
         found = [c for d in sorted(path.iterdir()) if d.is_dir() for c in committed(d)]
         if not found:
             raise UserError(f"{target} has no committed checkpoint: evaluate a run that saved one (checkpoint.at_end)")
-        return Target(max(found, key=lambda c: c.name), run_dir)
+        return Target(_undamaged(max(found, key=lambda c: c.name)), run_dir)
     complete, why = is_complete(path)
     if not complete:
         raise UserError(f"{target} is not a committed checkpoint ({why}): give a run directory or a step_* folder")
     for parent in path.parents:
         if (parent / ".hydra" / "overrides.yaml").is_file():
-            return Target(path, parent)
+            return Target(_undamaged(path), parent)
     raise UserError(f"no run directory (with .hydra/overrides.yaml) holds {target}: evaluate a checkpoint of a dtf run")
+
+
+def _undamaged(checkpoint: Path) -> Path:
+    """The checkpoint, once every file's checksum is the one its commit recorded (as a resume and
+    an export check it): damaged weights are never evaluated."""
+    from dtf.train.checkpoint import verify
+
+    ok, why = verify(checkpoint)
+    if not ok:
+        raise UserError(f"{checkpoint} cannot be evaluated: {why}; evaluate another of the run's checkpoints (step_*)")
+    return checkpoint
 
 
 def config_of(target: Target, overrides: list[str], config_dir: str | None = None) -> Any:

@@ -71,3 +71,24 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_key(fsdp4: t
 
     with pytest.raises(UserError, match=r"^split=train: choose val, test or all$"):
         evaluate(run_dir, "train")
+
+
+def test_a_checkpoint_damaged_in_place_is_never_evaluated(fsdp4: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    import shutil
+
+    from dtf.eval import evaluate
+
+    run_dir, s = fsdp4
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    checkpoint = copy / "checkpoints" / f"step_{s['global_step']:09d}"
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped, the same size: the cheap completeness check passes it
+    shard.write_bytes(bytes(data))
+    for target in (copy, checkpoint):  # the run directory (its newest checkpoint) or the checkpoint itself
+        with pytest.raises(
+            UserError, match=rf"^{checkpoint} cannot be evaluated: {shard.name} is damaged \(its checksum"
+        ):
+            evaluate(target)
+    assert not (copy / "evaluations").exists()  # refused before anything was written
