@@ -210,6 +210,12 @@ def test_bad_input_is_one_line_naming_the_path_and_the_fix_and_writes_nothing(
     empty.mkdir()
     lone = tmp_path / "lone" / f"step_{STEPS:09d}"  # a transformers model's checkpoint away from its run's hf/
     shutil.copytree(trained / "fsdp" / "checkpoints" / lone.name, lone)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained / "fsdp", damaged)
+    shard = sorted((damaged / "checkpoints" / lone.name).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped in place, the same size
+    shard.write_bytes(bytes(data))
     cases = {
         (no_checkpoint,): f"{no_checkpoint} has no committed checkpoint: export a run that saved one",
         (interrupted,): f"{interrupted} has no committed checkpoint: export a run that saved one",
@@ -218,6 +224,7 @@ def test_bad_input_is_one_line_naming_the_path_and_the_fix_and_writes_nothing(
         (lone,): f"checkpoint {lone} holds a transformers model (hf.* tensors), but no hf/ folder",
         (trained / "fsdp",): f"--out {fsdp_export} is not empty: give a new or empty folder (--out)",
         (trained / "fsdp", "--max-shard-size", "lots"): "--max-shard-size lots: give a size such as 5GB",
+        (damaged, "--out", str(tmp_path / "out")): f"checkpoint {shard.parent} is not intact ({shard.name} is damaged",
     }
     before = sorted(p for p in tmp_path.rglob("*"))
     exported = (fsdp_export / "model.safetensors").read_bytes()
