@@ -108,7 +108,9 @@ def report_interrupt(e: Interrupted, run_dir: str) -> NoReturn:
         )
     else:
         where = "no checkpoint was written"
-    print(f"dtf: interrupted by {e.signal_name}; the ranks were stopped; {where}", file=sys.stderr, flush=True)
+    # A closed terminal (SIGHUP) takes stderr with it: the line then fails (EIO), the exit status stands.
+    with contextlib.suppress(OSError):
+        print(f"dtf: interrupted by {e.signal_name}; the ranks were stopped; {where}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED_BASE + signal.Signals[e.signal_name].value)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run_command import TEST_DEFAULTS, dtf_command, run_dtf, start_command
+from tests.helpers.run_command import TEST_DEFAULTS, dtf_command, dtf_env, run_dtf, start_command
 from tests.helpers.sockets import descendants
 
 # A long run whose every forward sleeps: a signal always lands in the middle of training.
@@ -148,3 +148,37 @@ def test_a_stop_signal_to_every_process_stops_cleanly_with_worker_processes(
     code, err = _interrupt(tmp_path, sig, group=True, args=args, every=True)
     assert code == 75, err[-3000:]
     assert f"dtf: stopped by {sig.name} at step" in err.strip().splitlines()[-1], err[-3000:]
+
+
+def test_a_closed_terminal_ends_the_run_as_interrupted_by_sighup(tmp_path: Path) -> None:
+    # The terminal's hangup: SIGHUP to its session, and stderr gone with it (a write there fails
+    # with EIO), where the line above sends SIGHUP with stderr in a file. The run ended with 1.
+    import pty
+
+    cmd = dtf_command(*TEST_DEFAULTS, *SLOW, f"hydra.run.dir={tmp_path / 'run'}")
+    env = dtf_env()
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: dtf on the terminal, as a user starts it
+        os.execve(cmd[0], cmd, env)
+    seen, deadline = b"", time.monotonic() + 120
+    with contextlib.suppress(OSError):
+        while b"step 40/" not in seen and time.monotonic() < deadline:
+            seen += os.read(terminal, 4096)
+    ranks = descendants(pid)
+    try:
+        os.close(terminal)  # the terminal window closes
+        code = _exit_status_within(pid, 90)
+    finally:
+        _signal_all([pid, *descendants(pid), *ranks], signal.SIGKILL)
+    assert code == 128 + signal.SIGHUP.value, seen.decode(errors="replace")[-2000:]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def _exit_status_within(pid: int, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return None
