@@ -21,6 +21,7 @@ there a row group holds about that many).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.resources
 import json
 import math
@@ -93,12 +94,21 @@ def write_parquet(features: np.ndarray, labels: np.ndarray, directory: Path, row
         arrays[name] = pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)))
         shapes[name] = list(values.shape[1:])
     table = pa.table(arrays).replace_schema_metadata({SHAPES_KEY: json.dumps(shapes).encode()})
+    # Written beside the directory first, and swapped in once whole: a write that fails (a full disk)
+    # leaves what the directory held before as it was.
+    partial = directory.with_name(f".{directory.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    try:
+        pq.write_table(table, partial / "part-00000.parquet", row_group_size=rows_per_group)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if directory.exists():
         shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    path = directory / "part-00000.parquet"
-    pq.write_table(table, path, row_group_size=rows_per_group)
-    return path
+    partial.rename(directory)
+    return directory / "part-00000.parquet"
 
 
 WRITER = Path(__file__).with_name("petastorm_writer.py")
@@ -191,6 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(*written, sep="\n")
     except UserError as e:
         print(f"dtf: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output folder: a full disk, no permission, ...
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            why = f"no space left on the device of {args.out}"
+            fix = "free space there, or give --out a folder on a larger disk"
+        else:
+            why = f"{e.strerror or e} ({e.filename or args.out})"
+            fix = "give --out a folder you can write"
+        print(f"dtf: error: --out {args.out}: {why}; nothing is left half written: {fix}", file=sys.stderr)
         return 2
     except WriterFailed as e:
         print(f"dtf: error: {e}", file=sys.stderr)

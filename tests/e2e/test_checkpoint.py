@@ -8,7 +8,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.helpers.run_command import (
     TEST_DEFAULTS,
     DtfRun,
     Started,
+    can_unshare,
     dtf_command,
     is_running,
     run_command,
@@ -334,14 +334,10 @@ def _leaves(obj: Any) -> list[Any]:
     return [obj]
 
 
-def _user_namespaces() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
-
-
 def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
     tmp_path: Path, straight_failing: DtfRun
 ) -> None:
-    if not _user_namespaces():
+    if not can_unshare():
         pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
     # The run dir on a tmpfs of its own (in a mount namespace: no root needed, gone with the test).
     # Rank 1 fills it at its 62nd forward (step 55), so the save of step 60 finds no space; the

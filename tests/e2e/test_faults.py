@@ -4,6 +4,7 @@ non-ASCII characters, a finished run run again (issue 31)."""
 
 from __future__ import annotations
 
+import shlex
 import socket
 import sys
 import time
@@ -13,7 +14,16 @@ from pathlib import Path
 import pytest
 
 from dtf.train.checkpoint import committed
-from tests.helpers.run_command import TEST_DEFAULTS, DtfRun, Started, dtf_command, run_command, run_dtf, start_command
+from tests.helpers.run_command import (
+    TEST_DEFAULTS,
+    DtfRun,
+    Started,
+    can_unshare,
+    dtf_command,
+    run_command,
+    run_dtf,
+    start_command,
+)
 from tests.helpers.sockets import descendants, listening
 
 # Every forward sleeps, so a run trains for seconds (100 steps of 2 ranks, 32 batches an epoch).
@@ -232,3 +242,33 @@ def test_data_too_small_for_every_rank_to_have_a_batch_is_refused_on_the_driver(
         "rank needs a full batch; lower data.batch_size, start fewer ranks, or add rows"
     ]
     assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_data_there_as_it_was(tmp_path: Path) -> None:
+    if not can_unshare():
+        pytest.skip("needs unshare -rm (user and mount namespaces) to give --out a small tmpfs")
+    # --out on a small tmpfs of its own: a first prepare fits; the disk is filled; a second one, of
+    # more points, finds no space. It wrote over the first's files (rmtree, then write), and ended
+    # in a traceback with exit 1.
+    disk, out = tmp_path / "disk", tmp_path / "disk" / "data"
+    disk.mkdir()
+    prepare = shlex.join(dtf_command("scalar_field", f"--out={out}", module="dtf.data.prepare"))
+    script = f"""
+        mount -t tmpfs -o size=2m tmpfs {disk} || exit 99
+        {prepare} >/dev/null || exit 98
+        sha256sum {out}/scalar_field/parquet/*/* >{tmp_path}/before.sha
+        dd if=/dev/zero of={disk}/ballast bs=64k 2>/dev/null
+        {prepare} --set num_points=20000 >{tmp_path}/full.out 2>{tmp_path}/full.err
+        echo $? >{tmp_path}/full.status
+        sha256sum {out}/scalar_field/parquet/*/* >{tmp_path}/after.sha
+        ls -a {out}/scalar_field/parquet >{tmp_path}/after.ls
+    """
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=300)
+    err = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: --out {out}: no space left on the device of {out}; nothing is left half written: free space "
+        "there, or give --out a folder on a larger disk"
+    ]
+    assert (tmp_path / "after.sha").read_text() == (tmp_path / "before.sha").read_text()  # the data as it was
+    assert ".train.partial" not in (tmp_path / "after.ls").read_text().split()

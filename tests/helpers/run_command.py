@@ -222,3 +222,10 @@ def run_dtf(
         cmd, expect=expect, timeout=timeout, cwd=run_dir.parent, env=env, extra_pythonpath=extra_pythonpath
     )
     return DtfRun(done.returncode, done.stdout, done.stderr, run_dir)
+
+
+def can_unshare() -> bool:
+    """Whether `unshare -rm` works here (user and mount namespaces: a tmpfs of a test's own, no root)."""
+    import shutil
+
+    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
