@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dtf.errors import RankFailedError, TrainingFailed, UserError, user_error_in
-from dtf.files import write_atomically
+from dtf.files import out_of_space, write_atomically
 
 FAILURES_DIR = Path("logs") / "failures"
 
@@ -65,6 +65,18 @@ def _roots(run_dir: str | Path) -> list[Path]:
 
 def _attempt_dir(root: Path, attempt: int) -> Path:
     return root / f"attempt_{attempt}"
+
+
+def no_space_left(error: BaseException, run_dir: str | Path) -> UserError | None:
+    """A write that failed for a full disk (TensorBoard's event file, model.pt, summary.json, ...)
+    as one line naming the run directory's device and the way out; None for any other error. A
+    failed checkpoint save says more (dtf.train.checkpoint)."""
+    if not out_of_space(error, Path(run_dir)):
+        return None
+    return UserError(
+        f"no space left on the device of {run_dir}: free space there, or put the run directory on a larger "
+        "disk (hydra.run.dir); the same command then continues from the newest checkpoint"
+    )
 
 
 def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -> RankFailure:

@@ -3,6 +3,7 @@ one line. Standard library only: the driver, the ranks and the sweeper all write
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable
@@ -50,3 +51,28 @@ def make_dir(path: str | Path, key: str) -> Path:
             f"{key}={path} cannot be made ({e.strerror or type(e).__name__}): give {key} a directory you can write to"
         ) from None
     return Path(path).resolve()
+
+
+_NEARLY_FULL_BYTES = 1 << 20  # a write that failed with less than this left on its disk ran out of space
+
+
+def out_of_space(error: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of disk space: an error in its chain says so (ENOSPC, EDQUOT;
+    DCP gathers every rank's in one CheckpointException), or, where the writer reports no errno
+    (torch.save's "unexpected pos ...", "iostream error"), the disk of where is full now."""
+    found: list[BaseException] = [error]
+    found += [wrapped[0] for wrapped in getattr(error, "failures", {}).values() if isinstance(wrapped, tuple)]
+    seen: set[int] = set()
+    while found:
+        e = found.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        found += [c for c in (e.__cause__, e.__context__) if c is not None]
+    try:
+        disk = os.statvfs(where)
+    except OSError:
+        return False
+    return disk.f_bavail * disk.f_frsize < _NEARLY_FULL_BYTES

@@ -51,6 +51,8 @@ def rank_main(
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         from dtf.dist.env import attempt_number, rank_from_env
 
+        if user_error_in(e) is None:
+            e = failures.no_space_left(e, run_dir) or e  # a full disk: one line, as any bad input's
         failure = failures.record(run_dir, rank_from_env(), attempt_number(), e)
         status = EXIT_USER_ERROR if user_error_in(e) is not None else 1  # (also when Hydra wraps it)
         if multiprocessing.parent_process() is not None:
@@ -62,8 +64,12 @@ def rank_main(
                 # error file, in the rank's log directory, which the driver names
                 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-                with contextlib.suppress(OSError):  # a full disk: the record above said it already
+                try:
                     get_error_handler().record_exception(e)
+                except OSError:  # a full disk: the record above said it already; and an empty error
+                    # file, which the agent would fail to parse (JSONDecodeError), is left nowhere
+                    with contextlib.suppress(OSError, KeyError):
+                        os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
             sys.stdout.flush()
             sys.stderr.flush()
             if failure.lost_peer:

@@ -16,7 +16,6 @@ weights_only=True, and so do dtf's own files.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import os
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import EveryRankUserError, UserError
-from dtf.files import write_atomically, write_json
+from dtf.files import out_of_space, write_atomically, write_json
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
     from dtf.train.checkpoint_writer import BackgroundWriter
 
 MARKER = "COMMITTED.json"
-_NEARLY_FULL_BYTES = 1 << 20  # a save that failed with less than this left on its disk ran out of space
 TRAINER_FILE = "trainer.pt"
 _PREFIX = "step_"
 BEST_FILE = "best.json"  # checkpoint.keep_best: the best checkpoints and their objective
@@ -338,27 +336,6 @@ def scan(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     return found, skipped
 
 
-def _no_space_left(error: BaseException, where: Path) -> bool:
-    """Whether a failed save ran out of disk space: any rank's error says so (DCP gathers them all in
-    one CheckpointException; torch.save's own reads "unexpected pos ..."), or the disk is full now."""
-    found: list[BaseException] = [error]
-    found += [wrapped[0] for wrapped in getattr(error, "failures", {}).values() if isinstance(wrapped, tuple)]
-    seen: set[int] = set()
-    while found:
-        e = found.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        found += [c for c in (e.__cause__, e.__context__) if c is not None]
-    try:
-        disk = os.statvfs(where)
-    except OSError:
-        return False
-    return disk.f_bavail * disk.f_frsize < _NEARLY_FULL_BYTES
-
-
 def _warn(text: str) -> None:
     print(f"dtf: warning: {text}", file=sys.stderr, flush=True)
 
@@ -586,7 +563,7 @@ class Checkpointer:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            full = _no_space_left(e, self.root)
+            full = out_of_space(e, self.root)
             if self.env.is_main:
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -272,3 +272,37 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_data_there_as_it_
     ]
     assert (tmp_path / "after.sha").read_text() == (tmp_path / "before.sha").read_text()  # the data as it was
     assert ".train.partial" not in (tmp_path / "after.ls").read_text().split()
+
+
+def test_a_full_disk_at_the_end_of_training_is_one_line(tmp_path: Path) -> None:
+    if not can_unshare():
+        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
+    # The disk fills at the last step, with no checkpoint to save: the writes at the end fail
+    # (TensorBoard's hparams, model.pt, summary.json). It ended in a JSONDecodeError traceback
+    # (the rank's own error record, on the same disk, was left empty) with exit 1.
+    disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    args = [
+        "model._target_=user_models.FailingModel",
+        "data.dataset.num_points=2400",
+        "data.dataset.num_test=400",
+        "trainer.max_steps=40",
+        "checkpoint.every_n_steps=null",
+        "checkpoint.at_end=false",
+        "+model.how=fill_disk",
+        "+model.fail_at_call=40",
+        f"+model.fill_path={disk / 'ballast'}",
+    ]
+    dtf = shlex.join(dtf_command(*TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}"))
+    script = f"""
+        mount -t tmpfs -o size=64m tmpfs {disk} || exit 99
+        {dtf} >{tmp_path}/full.out 2>{tmp_path}/full.err
+        echo $? >{tmp_path}/full.status
+    """
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=300)
+    err = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: no space left on the device of {run_dir}: free space there, or put the run directory on a "
+        "larger disk (hydra.run.dir); the same command then continues from the newest checkpoint (rank 0)"
+    ], err[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ class TensorBoard:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_writer_threads()
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
 
@@ -39,3 +41,20 @@ class TensorBoard:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes event files on a thread of its own, which also prints the error of a
+    failed write (a full disk) as a traceback, before the writer raises it again where the rank logs
+    next, and the rank reports it in one line. Only that thread's error is left unprinted."""
+    previous = threading.excepthook
+    if getattr(previous, "_dtf_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._dtf_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
