@@ -44,6 +44,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import math
 import multiprocessing
 import os
 import signal
@@ -64,6 +65,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from dtf.errors import UserError
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
 
@@ -411,7 +413,7 @@ class StateBuffers:
         layout = (spec, [(t.shape, t.dtype) for t in tensors])
         new = layout != self._layout
         if new:
-            self._buffers = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout[1]]
+            self._buffers = _shared_buffers(layout[1])
             self._layout, self._written = layout, None
         fresh = self._written
         now: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -429,6 +431,26 @@ class StateBuffers:
     def learn(self, written: frozenset[int]) -> None:
         """The buffers the writer wrote at the last save: the only ones the next saves copy."""
         self._written = written
+
+
+def _shared_buffers(layout: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """The copy's tensors, in shared memory (/dev/shm on Linux), which the writer process reads.
+    A container's /dev/shm is often small (Docker's default: 64 MB): one line then, not torch's."""
+    try:
+        return [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
+    except RuntimeError as e:
+        if "shared memory" not in str(e):
+            raise
+        needed = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+        free = ""
+        with contextlib.suppress(OSError):
+            disk = os.statvfs("/dev/shm")
+            free = f", {disk.f_bavail * disk.f_frsize:,} bytes free"
+        raise UserError(
+            f"checkpoint.async_save=true copies this rank's state ({needed:,} bytes) into shared memory, and "
+            f"/dev/shm has no room for it{free}: give it more (docker run --shm-size, a larger tmpfs), or set "
+            "checkpoint.async_save=false"
+        ) from None
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

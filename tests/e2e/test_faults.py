@@ -306,3 +306,34 @@ def test_a_full_disk_at_the_end_of_training_is_one_line(tmp_path: Path) -> None:
         f"dtf: error: no space left on the device of {run_dir}: free space there, or put the run directory on a "
         "larger disk (hydra.run.dir); the same command then continues from the newest checkpoint (rank 0)"
     ], err[-3000:]
+
+
+def test_async_save_with_a_small_dev_shm_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    if not can_unshare():
+        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run a small /dev/shm")
+    # /dev/shm as small as some containers have it (here 64 kB, under the default job's 126 kB of state).
+    # It ended in torch's "unable to allocate shared memory(shm) ..." as a rank's failure, exit 1.
+    run_dir = tmp_path / "run"
+    dtf = shlex.join(
+        dtf_command(
+            *TEST_DEFAULTS,
+            "checkpoint.async_save=true",
+            "trainer.max_steps=30",
+            "checkpoint.every_n_steps=10",
+            f"hydra.run.dir={run_dir}",
+        )
+    )
+    script = f"""
+        mount -t tmpfs -o size=64k tmpfs /dev/shm || exit 99
+        {dtf} >{tmp_path}/out 2>{tmp_path}/err
+        echo $? >{tmp_path}/status
+    """
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=300)
+    err = (tmp_path / "err").read_text()
+    assert (tmp_path / "status").read_text().strip() == "2", err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "dtf: error: checkpoint.async_save=true copies this rank's state (126,036 bytes) into shared memory, and "
+        "/dev/shm has no room for it"
+    ), err[-3000:]
+    assert "or set checkpoint.async_save=false (rank " in lines[0]
