@@ -124,7 +124,10 @@ class LocalLauncher(Launcher):
                 preloaded_forkserver(self.cfg.start_method, rank_imports(run.composed), stop_signals),
             ):
                 # (with fn's name: elastic logs it)
-                entrypoint = functools.update_wrapper(functools.partial(in_own_session, fn, os.getpid()), fn)
+                # (a rank of one node stops at a checkpoint when the driver dies; of several, it ends
+                # at once, as the node's loss, which the other nodes handle: dtf.launch.driver_watch)
+                in_session = functools.partial(in_own_session, fn, os.getpid(), nodes is None)
+                entrypoint = functools.update_wrapper(in_session, fn)
                 results = elastic_launch(config, entrypoint)(run, run_dir)
         except RendezvousTimeoutError:
             # Too few nodes to meet launcher.nnodes' MIN (the first time, or after losing nodes) in join_timeout.
@@ -203,7 +206,7 @@ def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
 
 
-def in_own_session(fn: WorkerFn, driver: int, run: RunConfig, run_dir: str) -> RunResult | None:
+def in_own_session(fn: WorkerFn, driver: int, one_node: bool, run: RunConfig, run_dir: str) -> RunResult | None:
     """A rank starts a session of its own, as torchrun's ranks do (start_new_session=True). Linux's
     autogroup scheduler shares the cores between sessions first: ranks left in the driver's session
     (the terminal's, the test runner's) share one group, and on a busy machine each gets less of a
@@ -230,7 +233,8 @@ def in_own_session(fn: WorkerFn, driver: int, run: RunConfig, run_dir: str) -> R
         os.setsid()
     # Out of the driver's session, the rank must end with the driver by itself.
     rank = int(os.environ.get("RANK", "0"))
-    driver_watch.watch(driver, rank, list(run.checkpoint.stop_signals), run.trainer.dist_timeout_s)
+    stop_with = list(run.checkpoint.stop_signals) if one_node else []
+    driver_watch.watch(driver, rank, stop_with, run.trainer.dist_timeout_s)
     result = fn(run, run_dir)
     driver_watch.finished()
     return result
