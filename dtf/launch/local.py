@@ -126,8 +126,8 @@ class LocalLauncher(Launcher):
                 # (with fn's name: elastic logs it)
                 # (a rank of one node stops at a checkpoint when the driver dies; of several, it ends
                 # at once, as the node's loss, which the other nodes handle: dtf.launch.driver_watch)
-                in_session = functools.partial(in_own_session, fn, os.getpid(), nodes is None)
-                entrypoint = functools.update_wrapper(in_session, fn)
+                entry = functools.partial(rank_of_this_node, fn, os.getpid(), nodes is None)
+                entrypoint = functools.update_wrapper(entry, fn)
                 results = elastic_launch(config, entrypoint)(run, run_dir)
         except RendezvousTimeoutError:
             # Too few nodes to meet launcher.nnodes' MIN (the first time, or after losing nodes) in join_timeout.
@@ -206,7 +206,17 @@ def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
 
 
-def in_own_session(fn: WorkerFn, driver: int, one_node: bool, run: RunConfig, run_dir: str) -> RunResult | None:
+def rank_of_this_node(fn: WorkerFn, driver: int, one_node: bool, run: RunConfig, run_dir: str) -> RunResult | None:
+    """A rank of launcher=local: in a session of its own (in_own_session), which must therefore end
+    with the driver by itself (dtf.launch.driver_watch)."""
+    stop_with = list(run.checkpoint.stop_signals) if one_node else []
+    driver_watch.watch(driver, int(os.environ.get("RANK", "0")), stop_with, run.trainer.dist_timeout_s)
+    result = in_own_session(fn, run, run_dir)
+    driver_watch.finished()
+    return result
+
+
+def in_own_session(fn: WorkerFn, run: RunConfig, run_dir: str) -> RunResult | None:
     """A rank starts a session of its own, as torchrun's ranks do (start_new_session=True). Linux's
     autogroup scheduler shares the cores between sessions first: ranks left in the driver's session
     (the terminal's, the test runner's) share one group, and on a busy machine each gets less of a
@@ -231,13 +241,7 @@ def in_own_session(fn: WorkerFn, driver: int, one_node: bool, run: RunConfig, ru
         short_temp_dir()
     if os.getpgrp() != os.getpid():  # a group leader cannot (a spawned child never is one)
         os.setsid()
-    # Out of the driver's session, the rank must end with the driver by itself.
-    rank = int(os.environ.get("RANK", "0"))
-    stop_with = list(run.checkpoint.stop_signals) if one_node else []
-    driver_watch.watch(driver, rank, stop_with, run.trainer.dist_timeout_s)
-    result = fn(run, run_dir)
-    driver_watch.finished()
-    return result
+    return fn(run, run_dir)
 
 
 def _atexit_functions() -> None:
