@@ -23,9 +23,9 @@ from tests.helpers.run_command import (
     TEST_DEFAULTS,
     DtfRun,
     Started,
-    can_unshare,
     dtf_command,
     is_running,
+    require_unshare,
     run_command,
     run_dtf,
     start_command,
@@ -337,8 +337,7 @@ def _leaves(obj: Any) -> list[Any]:
 def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_continues(
     tmp_path: Path, straight_failing: DtfRun
 ) -> None:
-    if not can_unshare():
-        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
+    require_unshare("give the run dir a small tmpfs")
     # The run dir on a tmpfs of its own (in a mount namespace: no root needed, gone with the test).
     # Rank 1 fills it at its 62nd forward (step 55), so the save of step 60 finds no space; the
     # test then frees the space and runs the same command, which continues from step 40.

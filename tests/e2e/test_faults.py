@@ -18,8 +18,8 @@ from tests.helpers.run_command import (
     TEST_DEFAULTS,
     DtfRun,
     Started,
-    can_unshare,
     dtf_command,
+    require_unshare,
     run_command,
     run_dtf,
     start_command,
@@ -245,8 +245,7 @@ def test_data_too_small_for_every_rank_to_have_a_batch_is_refused_on_the_driver(
 
 
 def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_data_there_as_it_was(tmp_path: Path) -> None:
-    if not can_unshare():
-        pytest.skip("needs unshare -rm (user and mount namespaces) to give --out a small tmpfs")
+    require_unshare("give --out a small tmpfs")
     # --out on a small tmpfs of its own: a first prepare fits; the disk is filled; a second one, of
     # more points, finds no space. It wrote over the first's files (rmtree, then write), and ended
     # in a traceback with exit 1.
@@ -275,8 +274,7 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_data_there_as_it_
 
 
 def test_a_full_disk_at_the_end_of_training_is_one_line(tmp_path: Path) -> None:
-    if not can_unshare():
-        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run dir a small tmpfs")
+    require_unshare("give the run dir a small tmpfs")
     # The disk fills at the last step, with no checkpoint to save: the writes at the end fail
     # (TensorBoard's hparams, model.pt, summary.json). It ended in a JSONDecodeError traceback
     # (the rank's own error record, on the same disk, was left empty) with exit 1.
@@ -309,8 +307,7 @@ def test_a_full_disk_at_the_end_of_training_is_one_line(tmp_path: Path) -> None:
 
 
 def test_async_save_with_a_small_dev_shm_is_one_line_naming_the_setting(tmp_path: Path) -> None:
-    if not can_unshare():
-        pytest.skip("needs unshare -rm (user and mount namespaces) to give the run a small /dev/shm")
+    require_unshare("give the run a small /dev/shm")
     # /dev/shm as small as some containers have it (here 64 kB, under the default job's 126 kB of state).
     # It ended in torch's "unable to allocate shared memory(shm) ..." as a rank's failure, exit 1.
     run_dir = tmp_path / "run"

@@ -224,8 +224,13 @@ def run_dtf(
     return DtfRun(done.returncode, done.stdout, done.stderr, run_dir)
 
 
-def can_unshare() -> bool:
-    """Whether `unshare -rm` works here (user and mount namespaces: a tmpfs of a test's own, no root)."""
+def require_unshare(for_what: str) -> None:
+    """Fails the test where `unshare -rm` (user and mount namespaces: a tmpfs of a test's own, no
+    root) does not work; skips it instead, saying why, only outside CI with DTF_SKIP_UNSHARE=1."""
     import shutil
 
-    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0
+    from tests.helpers.clusters import skip_if_asked
+
+    if shutil.which("unshare") is not None and subprocess.run(["unshare", "-rm", "true"]).returncode == 0:
+        return
+    skip_if_asked(f"needs unshare -rm (user and mount namespaces) to {for_what}", "DTF_SKIP_UNSHARE", "these tests")
