@@ -23,12 +23,21 @@ from pathlib import Path
 
 from dtf.errors import RankFailedError, TrainingFailed, UserError, user_error_in
 from dtf.files import out_of_space, write_atomically
+from dtf.train import heartbeat
 
 FAILURES_DIR = Path("logs") / "failures"
 
 # gloo's words for a peer gone: "Connection closed by peer [a]:p", "Read error [a]:p: Connection
 # reset by peer", "Write error [a]:p: Broken pipe"
 _PEER_GONE = re.compile(r"(?:Connection closed by peer|Read error|Write error) \[([0-9.]+)\]")
+# A collective's wait that ran out: gloo's "Timed out waiting 20000ms for recv operation to complete",
+# NCCL's watchdog "... Timeout(ms)=600000) ran for 600012 milliseconds before timing out", a store's
+# "wait timeout after 20000ms" or "Socket Timeout"
+_TIMED_OUT = re.compile(
+    r"Timed out waiting (\d+) ?ms|Timeout\(ms\)=(\d+)|wait timeout after (\d+) ?ms|"
+    r"collective operation timeout|Socket Timeout",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -126,14 +135,18 @@ def _first_cause(error: BaseException) -> BaseException:
     return error
 
 
+def newest_attempt(run_dir: str | Path) -> int | None:
+    """The newest attempt any rank recorded a failure in."""
+    attempts = [int(p.name.removeprefix("attempt_")) for root in _roots(run_dir) for p in root.glob("attempt_*")]
+    return max(attempts, default=None)
+
+
 def recorded(run_dir: str | Path, attempt: int | None = None) -> dict[int, RankFailure]:
     """Every rank's record, in the given attempt (default: the newest one recorded)."""
     roots = _roots(run_dir)
+    attempt = newest_attempt(run_dir) if attempt is None else attempt
     if attempt is None:
-        attempts = [int(p.name.removeprefix("attempt_")) for root in roots for p in root.glob("attempt_*")]
-        if not attempts:
-            return {}
-        attempt = max(attempts)
+        return {}
     found = {}
     for root in reversed(roots):  # the run dir's record of a rank wins
         for path in _attempt_dir(root, attempt).glob("rank_*.json"):
@@ -150,15 +163,47 @@ def first(run_dir: str | Path, attempt: int | None = None) -> RankFailure | None
     return oldest(recorded(run_dir, attempt))
 
 
+def blamed(run_dir: str | Path) -> RankFailure | None:
+    """What the driver reports, on every launcher: the failure that came first; but where that was a
+    collective that timed out, the rank that got least far (the fewest heartbeat marks), where one
+    did: the first rank to fail only waited for it (a hang in its forward, its data)."""
+    attempt = newest_attempt(run_dir)
+    failure = first(run_dir, attempt)
+    timed_out = _TIMED_OUT.search(failure.message) if failure is not None else None
+    if failure is None or timed_out is None:
+        return failure
+    beats = {}
+    for path in (Path(run_dir) / heartbeat.HEARTBEAT_DIR).glob("rank_*.json"):
+        beat = heartbeat.read(path)
+        if beat is not None and beat.attempt == attempt:
+            beats[beat.rank] = beat
+    least = min((b.marks for b in beats.values()), default=0)
+    behind = sorted(r for r, b in beats.items() if b.marks == least)
+    if failure.rank not in beats or failure.rank in behind:  # it got least far itself, or all stand together
+        return failure
+    rank, beat = behind[0], beats[behind[0]]
+    waited = ", ".join(str(r) for r in sorted(beats) if r not in behind)
+    ms = next((int(g) for g in timed_out.groups() if g), None)
+    limit = f"trainer.dist_timeout_s: {ms / 1000:g} s" if ms else "trainer.dist_timeout_s"
+    message = (
+        f"made no progress in {beat.phase} of step {beat.step + 1} while rank(s) {waited} waited for it, until the "
+        f"collective timeout ({limit}) ended the run (rank {failure.rank}: {failure.message})"
+    )
+    return RankFailure(rank, failure.time_ns, False, message, "")
+
+
 def oldest(records: dict[int, RankFailure]) -> RankFailure | None:
     return min(records.values(), key=lambda f: f.time_ns, default=None)
 
 
 def clear(run_dir: str | Path) -> None:
-    """On the driver, before the ranks start: an earlier run in this run dir does not get the blame."""
+    """On the driver, before the ranks start: an earlier run in this run dir does not get the blame,
+    by its failures or by its ranks' heartbeats."""
     for root in _roots(run_dir):
         for path in sorted(root.glob("attempt_*/rank_*.json")):
             path.unlink(missing_ok=True)
+    for path in (Path(run_dir) / heartbeat.HEARTBEAT_DIR).glob("rank_*.json"):
+        path.unlink(missing_ok=True)
 
 
 def report(failure: RankFailure, logs: str | None = None) -> UserError:

@@ -47,6 +47,7 @@ from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
 from dtf.launch import driver_watch, forkserver_exit, stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
+from dtf.launch.oom import OomKills
 from dtf.machine import THREADS_CHOSEN, threads_per_rank
 from dtf.results import RunResult, Stopped
 
@@ -107,7 +108,7 @@ class LocalLauncher(Launcher):
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
         start_resource_tracker_ignoring(stop_signals)
         failures.clear(run_dir)
-        stalls.clear(run_dir)
+        oom_kills = OomKills()
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, run.trainer.stall_timeout_s, run.trainer.dist_timeout_s)
@@ -156,7 +157,7 @@ class LocalLauncher(Launcher):
             if forwarding.received and died_of(e, forwarding.received):
                 # ranks still starting up die of the signal (their handler is not installed yet)
                 return newest_checkpoint(forwarding.received, checkpoints)
-            raise failed_rank(e, run_dir) from None
+            raise failed_rank(e, run_dir, oom_kills) from None
         except SignalException as e:
             if forwarding.twice:  # a second stop signal: the agent killed the ranks
                 return newest_checkpoint(f"{forwarding.received} (twice)", checkpoints)
@@ -252,19 +253,27 @@ def _atexit_functions() -> None:
     atexit._run_exitfuncs()
 
 
-def failed_rank(e: ChildFailedError, run_dir: str) -> UserError:
+def failed_rank(e: ChildFailedError, run_dir: str, oom_kills: OomKills | None = None) -> UserError:
     """The error of the rank that failed first. A rank killed by a signal before it could record
     anything counts as first (its peers' errors are the consequence); otherwise the oldest record
     (dtf.failures). A rank that recorded an error and then died of a signal on its way out failed
     with that error: a process that exits while its gloo process group's threads run aborts
-    ("terminate called without an active exception"), whether its error came first or not."""
+    ("terminate called without an active exception"), whether its error came first or not. A
+    SIGKILL that the kernel's OOM killer sent is said to be out of memory."""
     records = failures.recorded(run_dir)
-    first = failures.oldest(records)
+    first = failures.blamed(run_dir)
     killed = sorted(rank for rank, f in e.failures.items() if f.exitcode < 0 and rank not in records)
     logs = {r: os.path.dirname(f.error_file) if os.path.isabs(f.error_file) else "" for r, f in e.failures.items()}
     if killed:
         rank = killed[0]
         name = signal.Signals(-e.failures[rank].exitcode).name
+        oom = oom_kills.ended(e.failures[rank].pid) if oom_kills is not None and name == "SIGKILL" else None
+        if oom is not None:
+            return RankFailedError(
+                f"rank {rank} failed: out of memory: the kernel's OOM killer killed it (SIGKILL; {oom}): lower "
+                "data.batch_size, shard the model's state (strategy=zero or strategy=fsdp), or give the run more "
+                f"memory ({output_of(e, rank, run_dir)})"
+            )
         return RankFailedError(f"rank {rank} failed: killed by signal {name} ({output_of(e, rank, run_dir)})")
     if first is not None:
         lost = lost_node(first, run_dir)

@@ -428,7 +428,7 @@ def wait_for(job: Any, run_dir: str, tasks: int, elastic: bool, asked: str, stre
         tail.print_new()
     if elastic:  # the result counts: failures recorded on the way are of worlds the run recovered from
         return elastic_result(job.job_id, paths)
-    first = failures.first(run_dir)
+    first = failures.blamed(run_dir)
     if first is not None:  # a rank failed (and srun --kill-on-bad-exit ended the others)
         raise failures.report(first, str(paths[first.rank].stderr))
     outcome = pickle_load(paths[0].result_pickle) if paths[0].result_pickle.exists() else None
@@ -473,7 +473,7 @@ def step_result(folder: Path, run_dir: str, code: int) -> RunResult:
     """Rank 0's result of an in-allocation srun step (its result file, srun's exit code)."""
     from submitit.core.utils import pickle_load
 
-    first = failures.first(run_dir)
+    first = failures.blamed(run_dir)
     if first is not None:
         raise failures.report(first)  # the tasks' output went to this terminal
     result_file = folder / STEP_RESULT_FILE.format(rank=0)

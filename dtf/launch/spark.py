@@ -247,7 +247,7 @@ def _active_session(master: str | None) -> Any | None:
 
 
 def _failure(e: Exception, run_dir: str) -> UserError:
-    first = failures.first(run_dir)
+    first = failures.blamed(run_dir)
     if first is not None:
         return failures.report(first, str(_log_path(run_dir, first.rank)))
     text = str(e)

@@ -35,12 +35,6 @@ POLL_S = 1.0
 LONG_PHASES = ("setting up", "saving a checkpoint", "finishing")
 
 
-def clear(run_dir: str | Path) -> None:
-    """Before the ranks start: an earlier run's heartbeats are not this one's."""
-    for path in (Path(run_dir) / HEARTBEAT_DIR).glob("rank_*.json"):
-        path.unlink(missing_ok=True)
-
-
 class StallWatch:
     """A thread on the driver that watches the ranks of this run (those of this host it may kill)."""
 

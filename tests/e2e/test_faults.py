@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dtf.train.checkpoint import committed
+from tests.helpers.cgroups import joining, memory_cgroup
 from tests.helpers.run_command import (
     TEST_DEFAULTS,
     DtfRun,
@@ -163,6 +164,22 @@ def test_a_hung_rank_is_named_and_killed_long_before_the_collective_timeout(tmp_
     assert "Traceback" not in run.stderr
     # stall timeout, the driver's poll, a heartbeat's delay, the run's end: no 30 s grace, no 600 s timeout
     assert ended - float(hung_at.read_text()) < 20
+
+
+def test_a_hung_rank_is_named_when_a_short_collective_timeout_ends_the_run_first(tmp_path: Path) -> None:
+    # The collective timeout (5 s) runs out long before the stall timeout (300 s): rank 0's wait in
+    # backward fails first, but rank 1, hung in its forward, got least far, and is the one named.
+    hang = ["model._target_=user_models.FailingModel", "+model.how=hang", "+model.fail_at_call=10"]
+    run = run_dtf([*hang, "trainer.dist_timeout_s=5"], tmp_path / "run", timeout=300, expect=1)
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "dtf: error: rank 1 failed: made no progress in forward of step 10 while rank(s) 0 waited for it, until "
+            "the collective timeout (trainer.dist_timeout_s: 5 s) ended the run (rank 0: "
+        )
+    ), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
 
 
 # A user's script as it is often first written: no `if __name__ == "__main__":` guard, a model
@@ -334,3 +351,20 @@ def test_async_save_with_a_small_dev_shm_is_one_line_naming_the_setting(tmp_path
         "/dev/shm has no room for it"
     ), err[-3000:]
     assert "or set checkpoint.async_save=false (rank " in lines[0]
+
+
+def test_a_rank_killed_by_the_oom_killer_is_said_to_be_out_of_memory(tmp_path: Path) -> None:
+    # The run in a memory cgroup of 3 GiB (as in a container or a SLURM job's cgroup); rank 1's 3rd
+    # forward takes memory until the kernel's OOM killer ends it.
+    oom = ["model._target_=user_models.FailingModel", "+model.how=oom"]
+    with memory_cgroup(3 << 30) as cgroup:
+        run = run_dtf(oom, tmp_path / "run", prefix=joining(cgroup), timeout=300, expect=1)
+        kills = cgroup / ("memory.oom_control" if (cgroup / "memory.oom_control").exists() else "memory.events")
+        assert "oom_kill 1" in kills.read_text()  # the kernel's own count: one process, the rank
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "dtf: error: rank 1 failed: out of memory: the kernel's OOM killer killed it (SIGKILL; oom_kill 0 -> 1 in "
+        f"{kills}): lower data.batch_size, shard the model's state (strategy=zero or strategy=fsdp), or give the "
+        "run more memory ("
+    ), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr

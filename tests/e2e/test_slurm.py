@@ -158,12 +158,21 @@ def test_a_sweep_inside_an_allocation_runs_each_point_once_in_its_own_run_dir(tm
     [
         ("submitted", "user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)"),
         ("in an allocation", "raise", 1, "rank 1 failed: RuntimeError: injected failure on rank 1"),
+        # rank 1 hangs in its forward; rank 0's collective times out first, but rank 1 is named
+        (
+            "submitted",
+            "hang",
+            1,
+            "rank 1 failed: made no progress in forward of step 3 while rank(s) 0 waited for it, until the collective "
+            "timeout (trainer.dist_timeout_s: 10 s) ended the run (rank 0: RuntimeError: ",
+        ),
     ],
 )
 def test_a_rank_failing_under_slurm_is_named_in_one_line(
     tmp_path: Path, where: str, how: str, code: int, said: str
 ) -> None:
     args = ["model._target_=user_models.FailingModel", "+model.fail_rank=1", f"+model.how={how}", "launcher=slurm"]
+    args += ["trainer.dist_timeout_s=10"] if how == "hang" else []
     prefix = ["salloc", "-n", "2"] if where == "in an allocation" else []
     t0 = time.monotonic()
     run = run_dtf([*SHORT, *args], tmp_path / "run", prefix=prefix, expect=code)

@@ -58,10 +58,20 @@ def test_a_users_module_on_a_relative_pythonpath_imports_on_the_executors(tmp_pa
 
 
 # Bad input raised inside a Spark task: its message and exit status 2 cross the executor boundary (a
-# rank's RuntimeError, exit 1, is tested on the local launcher and in a SLURM allocation).
+# rank's RuntimeError, exit 1, is tested on the local launcher and in a SLURM allocation); a hung
+# rank is named, not the peer whose collective timed out waiting for it.
 @pytest.mark.parametrize(
     ("how", "code", "said"),
-    [("user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)")],
+    [
+        ("user_error", 2, "model.fail_rank=1: injected bad input; fix model.fail_rank (rank 1)"),
+        # rank 1 hangs in its forward; rank 0's collective times out first, but rank 1 is named
+        (
+            "hang",
+            1,
+            "rank 1 failed: made no progress in forward of step 3 while rank(s) 0 waited for it, until the collective "
+            "timeout (trainer.dist_timeout_s: 10 s) ended the run (rank 0: RuntimeError: ",
+        ),
+    ],
 )
 def test_a_rank_that_raises_fails_the_run_with_its_error(
     tmp_path: Path, master: str, how: str, code: int, said: str
@@ -74,6 +84,7 @@ def test_a_rank_that_raises_fails_the_run_with_its_error(
             f"launcher.master={master}",
             "model._target_=user_models.FailingModel",
             f"+model.how={how}",
+            *(["trainer.dist_timeout_s=10"] if how == "hang" else []),
         ],
         tmp_path / "run",
         expect=code,

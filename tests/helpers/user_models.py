@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 class FailingModel(nn.Module):
     """Fails on one rank at its n-th forward (training and evaluation calls both count; with at_eval,
     its n-th evaluation call): how = "raise", "user_error" (raises dtf's UserError), "kill" (dies of
-    SIGKILL), "hang" (never returns; writes the time it hung to fill_path, if given), "remove"
+    SIGKILL), "oom" (takes memory until the OOM killer ends it), "hang" (never returns; writes the time
+    it hung to fill_path, if given), "remove"
     (deletes the file fill_path), "fill_disk"
     (fills the file system of fill_path with a file there, then goes on), "SIG<NAME>" (sends
     itself that signal) or "agent:SIG<NAME>" (sends it to its parent, the launcher's agent).
@@ -75,6 +76,10 @@ class FailingModel(nn.Module):
         if mine and self.calls == self.fail_at_call:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif self.how == "oom":  # takes memory until the kernel's OOM killer ends it
+                hog = []
+                while True:
+                    hog.append(b"\x01" * (64 << 20))  # written, so resident
             elif self.how == "hang":
                 if self.fill_path is not None:  # when it hung, for the test to time what follows
                     Path(self.fill_path).write_text(str(time.time()))
