@@ -46,6 +46,7 @@ from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
 from dtf.launch import driver_watch, forkserver_exit, stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
+from dtf.launch.cut_off import CutOffWatch
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
 from dtf.launch.oom import OomKills
 from dtf.machine import THREADS_CHOSEN, threads_per_rank
@@ -121,6 +122,7 @@ class LocalLauncher(Launcher):
                 sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
                 watch.watching(),
+                CutOffWatch(run_dir, nodes.endpoint, nodes.address).watching() if nodes else contextlib.nullcontext(),
                 ranks_without_main(),
                 preloaded_forkserver(self.cfg.start_method, rank_imports(run.composed), stop_signals),
             ):

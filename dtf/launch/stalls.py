@@ -103,13 +103,13 @@ class StallWatch:
             failures.write(self.run_dir, beat.attempt, failure)
         for rank in stalled:
             beat = beats[rank]
-            if beat.host == self.host and _started_here(beat.pid):
+            if beat.host == self.host and started_here(beat.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(beat.pid, signal.SIGKILL)
         return True
 
 
-def _started_here(pid: int) -> bool:
+def started_here(pid: int) -> bool:
     """Whether this process started that rank: as its parent, or through the run's forkserver
     (dtf.launch.local.preloaded_forkserver), which this process started."""
     parent = _parent_of(pid)

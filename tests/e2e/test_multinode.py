@@ -154,6 +154,54 @@ def test_losing_a_host_ends_the_run_in_seconds_naming_the_host(hosts: list[str],
     assert took < 30, took  # seen here: ~2 s (the peer's kernel closes its sockets)
 
 
+def test_a_host_cut_off_from_the_others_ends_by_itself_and_says_so(hosts: list[str], tmp_path: Path) -> None:
+    # The second host's link to the others goes down mid-run (a switch port, a cable): no process
+    # dies and no connection closes. Each host must end within its timeouts (a collective's 15 s,
+    # then the cut-off node's grace and dial): the one with the rendezvous naming the stalled
+    # collective, the one cut off saying that it is.
+    import time
+
+    run_dir = tmp_path / "run"
+    long_run = ["launcher.nproc=1", "trainer.max_steps=100000", "data.dataset.num_points=20000"]
+    common = [*TEST_DEFAULTS, *long_run, "trainer.dist_timeout_s=15", "launcher.nnodes=2"]
+    common += [f"launcher.rdzv_endpoint={hosts[0]}:29500", f"hydra.run.dir={run_dir}"]
+    link = f"{hosts[1]}v"  # its veth's end on the bridge (scripts/local-hosts.sh)
+    with contextlib.ExitStack() as started:
+        procs = [
+            started.enter_context(
+                start_command(
+                    dtf_command(*common, f"launcher.node_rank={node}", prefix=[*LOCAL_HOSTS, host]),
+                    tmp_path / f"{host}.out",
+                    err=tmp_path / f"{host}.err",
+                )
+            )
+            for node, host in enumerate(hosts)
+        ]
+        deadline = time.monotonic() + 120
+        while not list(run_dir.glob("logs/nodes.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # training
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        cut = time.monotonic()
+        ended = []
+        try:
+            for proc in procs:
+                proc.finish(1, timeout=90)
+                ended.append(time.monotonic() - cut)  # by when it had ended
+        finally:
+            subprocess.run(["ip", "link", "set", link, "up"], check=True)  # the next tests need it
+    reached, cut_off = (p.error_output().strip().splitlines()[-1] for p in procs)
+    assert reached.startswith("dtf: error: rank "), reached
+    assert "Timed out waiting 15000ms" in reached, reached
+    assert cut_off.startswith("dtf: error: this node (198.18.0.2) is cut off from the run: its ranks ended ("), cut_off
+    assert cut_off.endswith(
+        f"later the rendezvous host {hosts[0]}:29500 (launcher.rdzv_endpoint) does not answer: the network between "
+        "the nodes was cut, or that node was lost; the same command on every node continues from the newest checkpoint"
+    ), cut_off
+    assert "Traceback" not in procs[1].error_output()
+    assert max(ended) < 60, ended  # 15 s collective timeout + 10 s grace + 5 s dial, with room on a busy machine
+
+
 @pytest.fixture(scope="module")
 def spark_on_hosts(hosts: list[str]) -> Iterator[str]:
     """A Spark standalone master on the first host and a worker on each (scripts/local-spark.sh)."""
