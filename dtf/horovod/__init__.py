@@ -79,6 +79,8 @@ from dtf.horovod.ops import (
     shutdown,
     size,
     sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from dtf.horovod.optimizer import DistributedOptimizer
@@ -154,6 +156,8 @@ __all__ = [
     "shutdown",
     "size",
     "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 

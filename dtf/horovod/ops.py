@@ -1,5 +1,6 @@
 """Horovod's collectives on torch.distributed: init, the rank queries, allreduce, allgather,
-broadcast, alltoall, barrier and join, with their autograd rules and async handles.
+broadcast, alltoall, reducescatter (and their grouped forms), sparse allreduce, barrier and join,
+with their autograd rules and async handles, and process sets.
 
 Each operation first agrees with the other ranks on what it is: a small descriptor (the kind of
 operation, dtype, shape, root rank, reduction; or "joined") is all-gathered. Ranks that
@@ -8,6 +9,10 @@ exchanging mismatched buffers, and a rank inside join() takes part in the others
 with the reduction's identity (zeros for a sum). Then the data moves in one torch.distributed
 call. Operations must be issued in the same order on every rank: torch.distributed matches
 collectives by order, where Horovod's coordinator matched them by name.
+
+A process set is a torch.distributed group (new_group, made by every rank alike, as Horovod's
+add_process_set is collective): an operation given process_set= agrees and moves its data among
+the set's ranks only; the global process set is the job's own group.
 """
 
 from __future__ import annotations
@@ -191,6 +196,18 @@ def cross_rank() -> int:
     return _world().cross_rank
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline traces its coordinator's cycles, which dtf.horovod does not have."""
+    raise NotImplementedError(
+        "dtf.horovod has no timeline (Horovod's trace of its own coordinator): trace the collectives with "
+        "torch.profiler instead"
+    )
+
+
+def stop_timeline() -> None:
+    start_timeline("")
+
+
 def is_homogeneous() -> bool:
     return True
 
@@ -338,13 +355,10 @@ def _check(table: torch.Tensor, kind: _Kind, process_set: ProcessSet | None = No
             )
         same_dims = [2, 4, 5] if kind in (_Kind.ALLGATHER, _Kind.ALLTOALL) else [2, 3, 4, 5]
         if any(row[i] != mine[i] for i in same_dims):
-            raise RuntimeError(
-                f"Mismatched {names[kind]} tensor shapes: rank {job[r]} and rank {job[me]} differ"
-            )
+            raise RuntimeError(f"Mismatched {names[kind]} tensor shapes: rank {job[r]} and rank {job[me]} differ")
         if kind == _Kind.BROADCAST and row[6] != mine[6]:
             raise RuntimeError(
-                f"Mismatched broadcast root ranks: rank {job[r]} uses {int(row[6])}, rank {job[me]} "
-                f"uses {int(mine[6])}"
+                f"Mismatched broadcast root ranks: rank {job[r]} uses {int(row[6])}, rank {job[me]} uses {int(mine[6])}"
             )
         if kind in (_Kind.ALLREDUCE, _Kind.REDUCESCATTER) and row[7] != mine[7]:
             raise RuntimeError(
