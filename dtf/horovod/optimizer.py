@@ -9,8 +9,10 @@ each step (horovod/torch/optimizer.py, same semantics).
 - The gradients travel in one fused buffer per dtype, in parameter order, as Horovod's tensor
   fusion packs them (its default 64 MB buffer holds any model of this size): one allreduce a
   step, issued at synchronize(), so the order of the backward pass cannot differ between ranks.
-- Sparse gradients are reduced as Horovod reduces them (sparse_allreduce_async: indices and
-  values all-gathered, summed), or dense with sparse_as_dense=True.
+- Sparse gradients are reduced dense and made sparse again: the same sum as Horovod's
+  sparse_allreduce_async, and a rank without a gradient for the parameter (zeros) still takes
+  part in the same allreduce, where an all-gather of indices would need every rank to know the
+  gradient is sparse.
 - process_set=: the gradients are averaged over its ranks only; a rank outside it steps alone.
 """
 
@@ -133,9 +135,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         else:
             prescale = postscale = 1.0
-        sparse = [p for p in params if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in (p for p in params if not any(p is q for q in sparse)):
+        for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
         for (_, _), members in by_kind.items():
             grads = [g.to_dense() if g.is_sparse else g for g in (p.grad for p in members) if g is not None]
@@ -159,14 +160,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = part.to_sparse()
                 else:
                     p.grad.copy_(part)  # type: ignore[union-attr]
-        # sparse gradients as Horovod reduces them: indices and values all-gathered, then summed
-        handles = [
-            ops.sparse_allreduce_async(g, f"sparse.{self._parameter_names.get(p)}", self.op, self.process_set)
-            for p in sparse
-            if (g := p.grad) is not None
-        ]
-        for p, handle in zip(sparse, handles, strict=True):
-            p.grad = handle()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
