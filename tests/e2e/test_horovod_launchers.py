@@ -1,7 +1,8 @@
 """Horovod's examples/pytorch/pytorch_mnist.py (recipes/horovod_pytorch_mnist.py: digits for
 MNIST, the import changed) under three launchers: dtf's local one (`python -m dtf.horovod -np 2
 python ...`), `srun -n 2` on the project's SLURM cluster and Open MPI's `mpirun -n 2`. hvd.init()
-finds its rank and rendezvous under each; the same seed gives the same parameters, bit for bit."""
+finds its rank and rendezvous under each; the same seed gives the same parameters, bit for bit.
+And horovodrun's form for a user's own tests, `python -m dtf.horovod -np 2 python -m pytest ...`."""
 
 from __future__ import annotations
 
