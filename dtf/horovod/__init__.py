@@ -7,8 +7,9 @@ install().
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-docs/migrating.md says what differs from Horovod (the order of collectives, process sets,
-Adasum) and how the tests check the rest against Horovod's own.
+docs/migrating.md lists every Horovod call and what dtf.horovod offers for it (all but Adasum,
+the timeline and hvd.elastic), what differs (the order of collectives), and how the tests check
+it against Horovod's own.
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ from dtf.horovod.ops import (
     global_process_set,
     gloo_built,
     gloo_enabled,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     init,
     is_homogeneous,
     is_initialized,
@@ -65,12 +72,19 @@ from dtf.horovod.ops import (
     nccl_built,
     poll,
     rank,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
     rocm_built,
     shutdown,
     size,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from dtf.horovod.optimizer import DistributedOptimizer
+from dtf.horovod.sync_batch_norm import SyncBatchNorm
 
 if TYPE_CHECKING:
     from dtf.horovod.runner import HorovodRunner
@@ -87,6 +101,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -113,8 +128,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "install",
     "is_homogeneous",
@@ -128,9 +149,15 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 

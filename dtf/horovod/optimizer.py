@@ -9,7 +9,11 @@ each step (horovod/torch/optimizer.py, same semantics).
 - The gradients travel in one fused buffer per dtype, in parameter order, as Horovod's tensor
   fusion packs them (its default 64 MB buffer holds any model of this size): one allreduce a
   step, issued at synchronize(), so the order of the backward pass cannot differ between ranks.
-- Sparse gradients are reduced dense and made sparse again (the same sum as Horovod's).
+- Sparse gradients are reduced dense and made sparse again: the same sum as Horovod's
+  sparse_allreduce_async, and a rank without a gradient for the parameter (zeros) still takes
+  part in the same allreduce, where an all-gather of indices would need every rank to know the
+  gradient is sparse.
+- process_set=: the gradients are averaged over its ranks only; a rank outside it steps alone.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         op: int = ops.Average,
         gradient_predivide_factor: float = 1.0,
         sparse_as_dense: bool = False,
+        process_set: ops.ProcessSet | None = None,
     ) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
+        self.process_set = ops.global_process_set if process_set is None else process_set
         self._compression = compression
         if named_parameters is not None:
             named = list(named_parameters)
@@ -77,7 +83,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        if ops.size() > 1:
+        if self.process_set.included() and ops.size() > 1:  # a rank outside the set steps alone
             self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -113,8 +119,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(*args, **kwargs)
 
     def synchronize(self) -> None:
-        """Averages (op) the gradients over the ranks, into each parameter's .grad."""
-        if ops.size() > 1:
+        """Averages (op) the gradients over the process set's ranks, into each parameter's .grad."""
+        if self.process_set.included() and ops.size() > 1:
             self._reduce([p for p in self._requires_update if p.requires_grad])
         self._pending.clear()
         for p in self._allreduce_delay:
@@ -137,7 +143,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             flat = torch.cat([g.reshape(-1) for g in grads])
             compressed, ctx = self._compression.compress(flat)
             name = f"DistributedOptimizer.{self._parameter_names.get(members[0])}"
-            ops.allreduce_(compressed, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale)
+            ops.allreduce_(
+                compressed,
+                name=name,
+                op=self.op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=self.process_set,
+            )
             reduced = self._compression.decompress(compressed, ctx)
             offset = 0
             for p in members:
@@ -191,9 +204,9 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set: Any = None,
 ) -> torch.optim.Optimizer:
-    """optimizer, with its gradients averaged (op) over the ranks at every step(). Its state is
-    not carried over: wrap a new optimizer, or call broadcast_optimizer_state after."""
-    ops._no_process_sets(process_set)
+    """optimizer, with its gradients averaged (op) over the ranks (of process_set) at every
+    step(). Its state is not carried over: wrap a new optimizer, or call
+    broadcast_optimizer_state after. A rank outside process_set steps on its own gradients."""
     if gradient_predivide_factor != 1.0 and op != ops.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
@@ -211,6 +224,7 @@ def DistributedOptimizer(
         op,
         gradient_predivide_factor,
         sparse_as_dense,
+        process_set,
     )
 
 

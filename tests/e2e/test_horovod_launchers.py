@@ -1,7 +1,8 @@
 """Horovod's examples/pytorch/pytorch_mnist.py (recipes/horovod_pytorch_mnist.py: digits for
 MNIST, the import changed) under three launchers: dtf's local one (`python -m dtf.horovod -np 2
 python ...`), `srun -n 2` on the project's SLURM cluster and Open MPI's `mpirun -n 2`. hvd.init()
-finds its rank and rendezvous under each; the same seed gives the same parameters, bit for bit."""
+finds its rank and rendezvous under each; the same seed gives the same parameters, bit for bit.
+And horovodrun's form for a user's own tests, `python -m dtf.horovod -np 2 python -m pytest ...`."""
 
 from __future__ import annotations
 
@@ -77,3 +78,34 @@ def test_under_srun_it_trains_the_same_parameters(tmp_path: Path, slurm: str, lo
     cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1"]
     stdout = run(cmd, tmp_path, str(tmp_path / "params.pt"), {"SLURM_CONF": slurm})
     assert same_parameters(tmp_path / "params.pt", local[0]) and accuracy(stdout) == local[1]
+
+
+USERS_TEST = """
+import torch
+import torch.distributed as dist
+
+import dtf.horovod as hvd
+
+
+def test_allreduce_on_every_rank():
+    hvd.init()
+    assert hvd.size() == 2
+    tensor = torch.arange(4.0) * (hvd.rank() + 1)
+    direct = tensor.clone()
+    dist.all_reduce(direct)
+    assert torch.equal(hvd.allreduce(tensor, op=hvd.Sum), direct)
+    print(f"rank {hvd.rank()} of {hvd.size()} checked", flush=True)
+"""
+
+
+def test_python_dash_m_runs_a_users_tests_on_every_rank(tmp_path: Path) -> None:
+    """horovodrun's `-np 2 python -m pytest test_x.py`: pytest runs on each rank, in the working
+    directory; both ranks pass (each prints its line, seen with tee_all_ranks)."""
+    (tmp_path / "test_users.py").write_text(USERS_TEST)
+    cmd = dtf_command(
+        "-np", "2", "launcher.tee_all_ranks=true", "python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+        "test_users.py", module="dtf.horovod",
+    )  # fmt: skip
+    out = run_command(cmd, cwd=tmp_path, timeout=180).stdout
+    assert "rank 0 of 2 checked" in out and "rank 1 of 2 checked" in out, out[-3000:]
+    assert out.count("1 passed") == 2, out[-3000:]
