@@ -77,8 +77,8 @@ class LocalLauncher(Launcher):
             max_nodes=max_nodes,
             nproc_per_node=nproc,
             # One node: a fresh id and a free port for every run, so multirun jobs never collide.
-            # Several: the nodes of one run meet at the endpoint, under one id (their run
-            # directories may differ: rank 0's is the run's, dtf.rank.run_rank).
+            # Several: the nodes of one run meet at the endpoint, under one id (rank 0's run
+            # directory is the run's, dtf.rank.run_rank; they must share it for the rendezvous' secret).
             run_id=run_id,
             rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",

@@ -78,14 +78,15 @@ def test_the_nodes_compare_and_set_as_with_torchs_backend() -> None:
 
 def test_a_strangers_pickle_in_the_store_is_refused_unread(tmp_path: Path) -> None:
     store = dist.HashStore()
-    backend = SignedC10dBackend(store, "run", SECRET, "n")
+    refusals: list[ForeignStateError] = []
+    backend = SignedC10dBackend(store, "run", SECRET, "n", refusals.append)  # (the launcher kills the ranks)
     marker = tmp_path / "ran"
     store.set(KEY, base64.b64encode(pickle.dumps(_CreatesFile(marker))).decode())  # what torch's backend reads
     with pytest.raises(ForeignStateError):
         backend.get_state()
     with pytest.raises(ForeignStateError):
         backend.set_state(b"mine")
-    assert not marker.exists()
+    assert not marker.exists() and [e.key for e in refusals] == [KEY, KEY]
     # torch's own backend hands it to dynamic_rendezvous, which unpickles it: the stranger's code runs
     state = C10dRendezvousBackend(store, "run").get_state()
     assert state is not None
