@@ -36,7 +36,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtf import elastic, failures
@@ -44,7 +43,7 @@ from dtf.config.schema import LocalLauncherConfig
 from dtf.config.typed import RunConfig
 from dtf.dist import env as dist_env
 from dtf.errors import Interrupted, RankFailedError, TooFewNodes, UserError
-from dtf.launch import driver_watch, forkserver_exit, stalls
+from dtf.launch import driver_watch, forkserver_exit, signed_rendezvous, stalls
 from dtf.launch.base import Launcher, WorkerFn, in_place_result, rank_result
 from dtf.launch.cut_off import CutOffWatch
 from dtf.launch.nodes import Nodes, between_nodes, lost_node
@@ -74,14 +73,15 @@ class LocalLauncher(Launcher):
             redirects=others,
             tee=others if self.cfg.tee_all_ranks else Std.NONE,
         )
+        run_id = nodes.run_id() if nodes else uuid.uuid4().hex
         config = LaunchConfig(
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             nproc_per_node=nproc,
             # One node: a fresh id and a free port for every run, so multirun jobs never collide.
-            # Several: the nodes of one run meet at the endpoint, under one id (their run
-            # directories may differ: rank 0's is the run's, dtf.rank.run_rank).
-            run_id=nodes.run_id() if nodes else uuid.uuid4().hex,
+            # Several: the nodes of one run meet at the endpoint, under one id (rank 0's run
+            # directory is the run's, dtf.rank.run_rank; they must share it for the rendezvous' secret).
+            run_id=run_id,
             rdzv_backend=RENDEZVOUS,
             rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
             rdzv_configs={
@@ -110,6 +110,7 @@ class LocalLauncher(Launcher):
         start_resource_tracker_ignoring(stop_signals)
         failures.clear(run_dir)
         oom_kills = OomKills()
+        signed_rendezvous.clear_refusal(run_dir)
         forwarding = StopForwarding(stop_signals)
         checkpoints = Path(run_dir) / self.checkpoint.dir
         watch = stalls.StallWatch(run_dir, run.trainer.stall_timeout_s, run.trainer.dist_timeout_s)
@@ -117,10 +118,13 @@ class LocalLauncher(Launcher):
             short_temp_dir()  # the forkserver's socket goes there
         try:
             with (
+                refusals_reported(run_dir, config.rdzv_endpoint),
                 standard_start_method(self.cfg.start_method),
                 temp_files_in(Path(run_dir) / "logs"),
                 sized_thread_pools(nproc, self.cfg.env.get("OMP_NUM_THREADS")),
                 between_nodes(nodes),
+                # what the nodes write to the rendezvous store is signed with it (signed_rendezvous)
+                signed_rendezvous.secret_for(run_id, run_dir if nodes else None, functools.partial(refused, run_dir)),
                 watch.watching(),
                 CutOffWatch(run_dir, nodes.endpoint, nodes.address).watching() if nodes else contextlib.nullcontext(),
                 ranks_without_main(),
@@ -177,16 +181,11 @@ class LocalLauncher(Launcher):
 RENDEZVOUS = "dtf-c10d"
 
 
-class _BoundBackend(C10dRendezvousBackend):
-    @property
-    def name(self) -> str:
-        return RENDEZVOUS  # elastic checks that its handler is the backend it asked for
-
-
 def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch elastic's c10d rendezvous (torchrun's default), with its store listening only on the
-    endpoint's address (127.0.0.1 on one node), not on every interface as TCPStore's server does:
-    the store has no authentication, and anyone who reaches it can write to it."""
+    endpoint's address (127.0.0.1 on one node), not on every interface as TCPStore's server does,
+    and its state signed with the run's secret (signed_rendezvous): the store has no
+    authentication, and anyone who reaches it can write to it."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -203,10 +202,52 @@ def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
         else:
             reason = (e.strerror or str(e)).lower()
             raise RendezvousConnectionError(f"cannot host the rendezvous on {host}:{port}: {reason}") from None
-    return create_handler(store, _BoundBackend(store, params.run_id), params)
+    return create_handler(store, signed_rendezvous.backend_for(store, params.run_id, RENDEZVOUS), params)
 
 
 rendezvous_handler_registry.register(RENDEZVOUS, bound_c10d_handler)
+
+
+def refused(run_dir: str, e: signed_rendezvous.ForeignStateError) -> None:
+    """Someone outside the run wrote to the rendezvous store: its other keys (the ranks' assignment,
+    rank 0's address) cannot be trusted either, and the run's state there is gone. The ranks end at
+    once (SIGKILL: stopped gracefully, the other nodes' ranks would stop with them and return, and
+    their agents would wait for this one at torch's exit barrier, 300 s); the other nodes' ranks fail
+    for the loss of these, and their drivers report the refusal recorded in the shared run dir."""
+    signed_rendezvous.record_refusal(run_dir, e)
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+
+
+# How a node sees a refusal: its own (ForeignStateError), or another node's, whose ranks and store went away.
+_REFUSED_OR_LOST = (
+    signed_rendezvous.ForeignStateError,
+    ChildFailedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+
+
+@contextlib.contextmanager
+def refusals_reported(run_dir: str, endpoint: str) -> Iterator[None]:
+    """A write to the rendezvous store that no node of the run made, refused by this node or by
+    another (which killed its ranks and ended, taking the store with it on the first node: this
+    node sees that loss, in one of these ways), ends the run in one line that says so."""
+    try:
+        yield
+    except _REFUSED_OR_LOST as e:
+        seen = signed_rendezvous.recorded_refusal(run_dir)
+        if seen is None and isinstance(e, signed_rendezvous.ForeignStateError):
+            seen = str(e)  # (the run dir could not take the record)
+        if seen is None:
+            raise
+        raise RankFailedError(
+            f"{seen} at {endpoint}, or a node with another run directory (every node's hydra.run.dir must be the "
+            "same): it was refused unread, nothing of it ran, and the run stopped; keep the nodes' network to the "
+            "cluster's (docs/launchers.md), and the same command continues from the newest checkpoint"
+        ) from None
 
 
 def rank_of_this_node(fn: WorkerFn, driver: int, one_node: bool, run: RunConfig, run_dir: str) -> RunResult | None:

@@ -23,7 +23,16 @@ from tests.helpers.clusters import (
     script_cluster,
     start_requeued,
 )
-from tests.helpers.run_command import TEST_DEFAULTS, DtfRun, Started, dtf_command, run_command, run_dtf, start_command
+from tests.helpers.run_command import (
+    HELPERS,
+    TEST_DEFAULTS,
+    DtfRun,
+    Started,
+    dtf_command,
+    run_command,
+    run_dtf,
+    start_command,
+)
 
 LOCAL_HOSTS = ["bash", str(SCRIPTS / "local-hosts.sh"), "run"]  # + a host: what runs a command on it
 
@@ -668,3 +677,65 @@ def back_up(all_hosts: list[str], nodes: list[str], check: bool = True) -> None:
     for node in nodes:
         started = run_script("local-slurm.sh", "start-node", slurm_hosts_env(all_hosts), timeout=180, args=[node])
         assert started.returncode == 0 or not check, started.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Security (issue #49): a stranger on the nodes' network writes to the run's rendezvous store.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_stranger_who_rewrites_the_rendezvous_state_runs_nothing_and_the_run_refuses_it(
+    all_hosts: list[str], tmp_path: Path
+) -> None:
+    # A 2-host run trains; from the third host, a stranger dials the rendezvous store (port 29500,
+    # no credential) and rewrites the state under the key anyone can derive from the endpoint with
+    # a pickle whose unpickling creates a file. Before dtf signed the state, both agents unpickled
+    # it (the file appeared) and the run crashed. Now it is refused unread: the file never appears,
+    # and each node ends in one line naming the key, exit status 1 (the run's state in the store
+    # is gone: it cannot go on).
+    import hashlib
+    import os
+    import re
+    import stat
+    import sys
+    import time
+
+    if len(all_hosts) < 3:
+        pytest.fail(f"needs 3 hosts, found {all_hosts}: run scripts/local-hosts.sh stop, and the test makes 3")
+    hosts, stranger = all_hosts[:2], all_hosts[2]
+    run_dir, marker = tmp_path / "run", tmp_path / "stranger-was-here"
+    endpoint = f"{hosts[0]}:29500"
+    key = "torch.rendezvous.dtf-" + hashlib.sha256(endpoint.encode()).hexdigest()[:12]  # dtf's run id, torch's key
+    long_run = ["launcher.nproc=1", "trainer.max_steps=100000", "data.dataset.num_points=20000"]
+    common = [*TEST_DEFAULTS, *long_run, "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}"]
+    with contextlib.ExitStack() as started:
+        procs = [
+            started.enter_context(
+                start_command(
+                    dtf_command(
+                        *common, f"launcher.node_rank={node}", f"hydra.run.dir={run_dir}", prefix=[*LOCAL_HOSTS, host]
+                    ),
+                    tmp_path / f"{host}.out",
+                    err=tmp_path / f"{host}.err",
+                )
+            )
+            for node, host in enumerate(hosts)
+        ]
+        deadline = time.monotonic() + 120
+        while not (run_dir / "logs" / "nodes.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        attack = [*LOCAL_HOSTS, stranger, sys.executable, str(HELPERS / "store_stranger.py")]
+        wrote = run_command([*attack, hosts[0], "29500", key, str(marker)], timeout=60)
+        assert f"stranger: wrote {key}" in wrote.stdout, wrote.stdout
+        for proc in procs:
+            proc.finish(1, timeout=60)
+    assert not marker.exists(), "the stranger's pickle was unpickled on a node"
+    for proc in procs:
+        last = proc.error_output().strip().splitlines()[-1]
+        assert re.match(
+            rf"dtf: error: the rendezvous store holds under {key} a value that no node of this run wrote .* at "
+            rf"{endpoint}, .*: it was refused unread, nothing of it ran, and the run stopped",
+            last,
+        ), last
+    secret = run_dir / ".dtf-rendezvous.key"  # shared by the nodes, readable by the user alone
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.stat().st_uid == os.getuid()
