@@ -1,0 +1,95 @@
+"""Faults of the files a run reads and writes, each as a user meets it (issue 49): Parquet files
+that disagree on a list column's length, a data reader's worker process killed, a read-only run
+directory and a checkpoints folder made read-only mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dtf.errors import UserError
+from tests.helpers.inprocess import compose_config
+from tests.helpers.run_command import TEST_DEFAULTS, dtf_command, start_command
+from tests.helpers.sockets import descendants
+
+PARQUET = ["data=petastorm", "data.label_column=y", "data.feature_columns=[features]"]
+
+
+def test_parquet_files_whose_list_column_differs_in_length_are_refused_naming_both_files(tmp_path: Path) -> None:
+    # One file's `features` holds 3 numbers a row, the other's 2, as pandas writes them (list<float>).
+    # It was found only when one chunk of steps read from both files, as "holds values of shape (2,)
+    # in one row group and (3,) in another", naming no file: here the driver refuses it.
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, width in (("a.parquet", 3), ("b.parquet", 2)):
+        rows = np.arange(40)
+        features = [np.full(width, r, dtype=np.float32) for r in rows]
+        pd.DataFrame({"features": features, "y": rows.astype(np.float32)}).to_parquet(data / name)
+    with pytest.raises(UserError) as refused:
+        compose_config([*PARQUET, f"data.path={data}"])
+    assert str(refused.value) == (
+        f"data.feature_columns: column 'features' holds lists of 3 values in {data / 'a.parquet'} but of 2 in "
+        f"{data / 'b.parquet'}: every row needs one length; rewrite the files that disagree with lists of one length"
+    )
+
+
+def _reader_workers_of_rank(driver: int, rank: int) -> list[int]:
+    """The worker processes of a rank's data reader (a spawned process pool): the driver's
+    descendants started by multiprocessing's spawn that carry the rank's RANK."""
+    found = []
+    for pid in descendants(driver):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"spawn_main" in cmdline and f"RANK={rank}".encode() in environ:
+            found.append(pid)
+    return found
+
+
+def test_a_data_reader_worker_killed_is_one_line_naming_its_signal(tmp_path: Path) -> None:
+    # A worker of rank 1's reader pool is killed with SIGKILL mid-run, as the kernel's OOM killer
+    # kills one. It ended in "rank 1 failed: BrokenProcessPool: A child process terminated abruptly,
+    # the process pool is not usable anymore" and a traceback.
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):  # many row groups: the reader's workers read all through the epoch
+        x = rng.uniform(-1, 1, size=(1000, 2)).astype(np.float32)
+        rows = pd.DataFrame({"features": list(x), "y": x.sum(axis=1)})
+        rows.to_parquet(data / f"part-{i}.parquet", row_group_size=20)
+    args = [
+        *PARQUET,
+        f"data.path={data}",
+        "data.reader_pool_type=process",
+        "model._target_=user_models.FailingModel",
+        "+model.fail_rank=-1",
+        "+model.delay_s=0.05",
+        "trainer.max_steps=200",
+        "trainer.log_every_n_steps=5",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    log, err = tmp_path / "out", tmp_path / "err"
+    with start_command(dtf_command(*TEST_DEFAULTS, *args), log, err=err, cwd=tmp_path, new_session=True) as run:
+        deadline = time.monotonic() + 180
+        while "step 10/" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _reader_workers_of_rank(run.pid, 1)
+        assert workers, err.read_text()[-3000:]
+        os.kill(workers[0], signal.SIGKILL)
+        run.finish(expect=1, timeout=120)
+    lines = err.read_text().strip().splitlines()
+    assert len(lines) == 1, err.read_text()[-3000:]
+    assert lines[0].startswith(
+        f"dtf: error: rank 1 failed: the data reader's worker process {workers[0]} died (killed by signal SIGKILL; "
+        f"the kernel's OOM killer sends it when memory runs out) while it read data.path=file://{data}: give the rank "
+        "more memory, or lower data.workers_count or data.results_queue_size, or read in threads "
+        "(data.reader_pool_type=thread) (its logs: "
+    ), lines[0]
