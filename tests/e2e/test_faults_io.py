@@ -5,6 +5,7 @@ directory and a checkpoints folder made read-only mid-run."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -14,8 +15,16 @@ import pandas as pd
 import pytest
 
 from dtf.errors import UserError
+from dtf.train.checkpoint import newest_intact
 from tests.helpers.inprocess import compose_config
-from tests.helpers.run_command import TEST_DEFAULTS, dtf_command, start_command
+from tests.helpers.run_command import (
+    TEST_DEFAULTS,
+    dtf_command,
+    require_unshare,
+    run_command,
+    run_dtf,
+    start_command,
+)
 from tests.helpers.sockets import descendants
 
 PARQUET = ["data=petastorm", "data.label_column=y", "data.feature_columns=[features]"]
@@ -93,3 +102,69 @@ def test_a_data_reader_worker_killed_is_one_line_naming_its_signal(tmp_path: Pat
         "more memory, or lower data.workers_count or data.results_queue_size, or read in threads "
         "(data.reader_pool_type=thread) (its logs: "
     ), lines[0]
+
+
+def _read_only(directory: Path) -> str:
+    """Shell lines that make directory read-only in the test's mount namespace (a read-only bind
+    mount of it over itself): chmod would not do, root and a user namespace's root write anyway."""
+    return f"mount --bind {directory} {directory} && mount -o remount,ro,bind {directory} || exit 99"
+
+
+def test_a_resume_in_a_read_only_run_dir_is_one_line_naming_it(tmp_path: Path) -> None:
+    require_unshare("make the run dir read-only")
+    # A run stopped at step 10, its run dir made read-only, then the command that continues it. It
+    # ended in Hydra's "Set the environment variable HYDRA_FULL_ERROR=1 ..." and a traceback.
+    run_dir = tmp_path / "run"
+    run_dtf(["trainer.max_steps=10"], run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    dtf = shlex.join(dtf_command(*TEST_DEFAULTS, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"))
+    script = f"""
+        {_read_only(run_dir)}
+        {dtf} >{tmp_path}/out 2>{tmp_path}/err
+        echo $? >{tmp_path}/status
+    """
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=300)
+    err = (tmp_path / "err").read_text()
+    assert (tmp_path / "status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: hydra.run.dir={run_dir} cannot be written (Read-only file system): make it writable (chmod -R "
+        f"u+w {run_dir}, or mount it read-write) and run the same command again, or give hydra.run.dir a directory "
+        "you can write to"
+    ]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoints_folder_made_read_only_mid_run_is_one_line_naming_it(tmp_path: Path) -> None:
+    require_unshare("make the checkpoints folder read-only")
+    # checkpoints/ is made read-only once the save of step 20 is committed; the save of step 40
+    # cannot be written. It ended in a traceback.
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    args = [
+        "model._target_=user_models.FailingModel",
+        "+model.fail_rank=-1",
+        "+model.delay_s=0.05",
+        "data.dataset.num_points=2400",
+        "trainer.max_steps=100",
+        "checkpoint.every_n_steps=20",
+    ]
+    dtf = shlex.join(dtf_command(*TEST_DEFAULTS, *args, f"hydra.run.dir={run_dir}"))
+    script = f"""
+        {dtf} >{tmp_path}/out 2>{tmp_path}/err &
+        pid=$!
+        while [ ! -e {checkpoints}/step_000000020/COMMITTED.json ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done
+        {_read_only(checkpoints)}
+        wait $pid
+        echo $? >{tmp_path}/status
+    """
+    run_command(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, timeout=300)
+    err = (tmp_path / "err").read_text()
+    assert (tmp_path / "status").read_text().strip() == "2", err[-3000:]
+    assert err.strip().splitlines() == [
+        f"dtf: error: {checkpoints} cannot be written (Read-only file system) while saving the checkpoint of step 40 "
+        f"(of the earlier checkpoints, step_000000020 is intact and a rerun continues from it): make it writable "
+        f"(chmod -R u+w {checkpoints}, or mount it read-write), or put checkpoints elsewhere (checkpoint.dir), then "
+        "run the same command to continue"
+    ], err[-3000:]
+    newest = newest_intact(checkpoints)
+    assert newest is not None and newest.name == "step_000000020"
