@@ -36,16 +36,23 @@ def test_parquet_files_whose_list_column_differs_in_length_are_refused_naming_bo
     # in one row group and (3,) in another", naming no file: here the driver refuses it.
     data = tmp_path / "data"
     data.mkdir()
-    for name, width in (("a.parquet", 3), ("b.parquet", 2)):
+
+    def write(name: str, width: int, row_group_size: int) -> None:
         rows = np.arange(40)
         features = [np.full(width, r, dtype=np.float32) for r in rows]
-        pd.DataFrame({"features": features, "y": rows.astype(np.float32)}).to_parquet(data / name)
+        frame = pd.DataFrame({"features": features, "y": rows.astype(np.float32)})
+        frame.to_parquet(data / name, row_group_size=row_group_size)
+
+    write("a.parquet", 3, 40)
+    write("b.parquet", 2, 40)
     with pytest.raises(UserError) as refused:
         compose_config([*PARQUET, f"data.path={data}"])
     assert str(refused.value) == (
         f"data.feature_columns: column 'features' holds lists of 3 values in {data / 'a.parquet'} but of 2 in "
         f"{data / 'b.parquet'}: every row needs one length; rewrite the files that disagree with lists of one length"
     )
+    write("b.parquet", 3, 7)  # files that agree, in row groups of other sizes, are read
+    compose_config([*PARQUET, f"data.path={data}"])
 
 
 def _reader_workers_of_rank(driver: int, rank: int) -> list[int]:
