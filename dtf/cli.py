@@ -24,7 +24,7 @@ from dtf import hydra_sweep, launch, rundir
 from dtf.config.keys import config_error_line
 from dtf.config.typed import RunConfig
 from dtf.errors import Interrupted, RankFailedError, UserError
-from dtf.files import make_dir
+from dtf.files import make_dir, require_writable
 from dtf.launch.base import WorkerFn
 from dtf.mlflow_sweep import link_trial
 from dtf.preflight import check_canonical_partitions, refuse_unread_by_function, validate
@@ -124,6 +124,15 @@ class RunDirCheck(Callback):
             # Before Hydra writes .hydra/ there: a run that holds the dir keeps its record of itself.
             try:
                 rundir.hold(config.hydra.run.dir)
+            except UserError as e:
+                print(f"dtf: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_USER_ERROR) from None
+        # Hydra writes its record of the run (config.yaml, ...) over the one there: a resumed run's
+        # .hydra/ may have been left read-only.
+        run_dir = Path(config.hydra.run.dir)
+        if config.hydra.output_subdir and (run_dir / config.hydra.output_subdir).is_dir():
+            try:
+                require_writable(run_dir / config.hydra.output_subdir, "hydra.run.dir", run_dir)
             except UserError as e:
                 print(f"dtf: error: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(EXIT_USER_ERROR) from None

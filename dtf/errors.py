@@ -22,6 +22,12 @@ class TrainingFailed(Exception):
     every_rank = True
 
 
+class RankFault(Exception):
+    """A rank cannot go on, for a cause outside the run's settings and code (a process it reads its
+    data with was killed): one line naming the cause, without a traceback, exit status 1; the
+    driver names the rank."""
+
+
 def require(ok: bool, key: str, value: object, rule: str) -> None:
     """The one-line refusal of a bad setting: `key=value is invalid: rule` (rule says the fix)."""
     if not ok:

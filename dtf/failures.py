@@ -21,7 +21,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dtf.errors import RankFailedError, TrainingFailed, UserError, user_error_in
+from dtf.errors import RankFailedError, RankFault, TrainingFailed, UserError, user_error_in
 from dtf.files import out_of_space, write_atomically
 from dtf.train import heartbeat
 
@@ -46,7 +46,7 @@ class RankFailure:
     time_ns: int
     user_error: bool
     message: str  # the UserError's text, or "<ExceptionType>: <first line>"
-    traceback: str  # empty for dtf.errors.TrainingFailed, told in one line
+    traceback: str  # empty for dtf.errors.TrainingFailed and RankFault, told in one line
     every_rank: bool = False  # every rank raised it at the same point: the driver names no rank
 
     def error(self, logs: str | None = None) -> UserError:
@@ -92,7 +92,7 @@ def record(run_dir: str | Path, rank: int, attempt: int, error: BaseException) -
     """In a rank, as it fails: keep why (atomically: a peer's kill may follow at once). Where the
     record cannot be written (a full disk), the rank says why on its stderr instead."""
     user = user_error_in(error)
-    failed = isinstance(error, TrainingFailed)
+    failed = isinstance(error, TrainingFailed | RankFault)  # told in one line, without a traceback
     cause = _first_cause(error)
     text = str(cause).strip()
     message = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")

@@ -89,7 +89,14 @@ def hold(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
         if path in _held:
             _held[path].count += 1
             return
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a run dir (or its lock file) left read-only
+            raise UserError(
+                f"{key}={path} cannot be written ({path / LOCK_FILE}: {e.strerror or type(e).__name__}): make it "
+                f"writable (chmod -R u+w {path}, or mount it read-write) and run the same command again, or give "
+                f"{key} a directory you can write to"
+            ) from None
         try:
             _acquire(fd, path, key)
         except BaseException:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import EveryRankUserError, UserError
-from dtf.files import out_of_space, write_atomically, write_json
+from dtf.files import out_of_space, write_atomically, write_json, write_refused
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
@@ -569,10 +569,17 @@ class Checkpointer:
             else:
                 for f in path.glob(f"*{self.env.rank}*"):  # its own files; rank 0 removes the rest
                     f.unlink(missing_ok=True)
-            if not full:
-                raise
+            refused = None if full else write_refused(e)
             newest = committed(self.root)[:1]
             kept = f"{newest[0].name} is intact and a rerun continues from it" if newest else "none was saved before it"
+            if refused is not None:  # made read-only while the run trains (a read-only mount, chmod)
+                raise EveryRankUserError(
+                    f"{self.root} cannot be written ({refused.strerror}) while saving the checkpoint of step {step} "
+                    f"(of the earlier checkpoints, {kept}): make it writable (chmod -R u+w {self.root}, or mount it "
+                    "read-write), or put checkpoints elsewhere (checkpoint.dir), then run the same command to continue"
+                ) from None
+            if not full:
+                raise
             raise EveryRankUserError(
                 f"no space left on the device of {self.root} while saving the checkpoint of step {step} (its files "
                 f"were removed; of the earlier checkpoints, {kept}): free space there, or keep fewer "

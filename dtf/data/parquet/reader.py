@@ -16,11 +16,14 @@ import bisect
 import contextlib
 import functools
 import multiprocessing
+import signal
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ import numpy as np
 from dtf.data.parquet.petastorm_format import PetastormField, decode
 from dtf.data.parquet.plan import STORED, RowOrder, Stream
 from dtf.data.parquet.source import IMAGE_FIX, ParquetSource, filesystem, first_line, is_vector, list_dataset
-from dtf.errors import UserError
+from dtf.errors import RankFault, UserError
 from dtf.helper_process import main_script_hidden
 from dtf.signals import ignore_stop_signals
 
@@ -260,6 +263,7 @@ class StepReading:
         fields = source.unischema.fields if opts.row_reader and source.unischema is not None else {}
         self.reader = RowGroupReader(source, self.columns, {c: fields[c] for c in self.columns if c in fields})
         self.pool: Executor | None = None
+        self.workers: dict[int, multiprocessing.process.BaseProcess] = {}  # a process pool's, by pid
         self._closed = False
         if self.order:
             _check_unchanged(source)
@@ -284,8 +288,13 @@ class StepReading:
         with main_script_hidden() if processes else contextlib.nullcontext():  # a submit may start a worker
             while self.next_submit * self.task_size < limit:
                 read = _read_in_process if processes else self.reader
-                self.futures[self.next_submit] = pool.submit(read, self.tasks[self.next_submit], self.row_order)
+                try:
+                    self.futures[self.next_submit] = pool.submit(read, self.tasks[self.next_submit], self.row_order)
+                except BrokenProcessPool:
+                    raise self._worker_died() from None
                 self.next_submit += 1
+                if processes:  # kept, to tell how one died: the pool forgets them when it breaks
+                    self.workers.update(getattr(pool, "_processes", None) or {})
 
     def _receive(self, piece: int) -> Columns:
         if piece in self.arrived:
@@ -332,11 +341,23 @@ class StepReading:
             raise UserError(f"{self.source.key}={self.source.url}: {e}") from None
         except UserError:
             raise
-        except Exception as e:  # the pool itself failed (a worker process died)
+        except BrokenProcessPool:
+            raise self._worker_died() from None
+        except Exception as e:  # the pool itself failed
             path, row_group = self.source.pieces[self.tasks[task][0]]
             raise UserError(
                 f"{self.source.key}={self.source.url}: reading {path} (row group {row_group}) failed ({first_line(e)})"
             ) from None
+
+    def _worker_died(self) -> RankFault:
+        """A worker process of the pool died (it was killed: the kernel's OOM killer, a user's
+        kill): one line saying which and how, and the ways out."""
+        pid, how = _death_of(self.workers)
+        return RankFault(
+            f"the data reader's worker process{f' {pid}' if pid else ''} died ({how}) while it read "
+            f"{self.source.key}={self.source.url}: give the rank more memory, or lower data.workers_count or "
+            "data.results_queue_size, or read in threads (data.reader_pool_type=thread)"
+        )
 
     def chunks(self) -> Iterator[tuple[Columns, list[int]]]:
         """The steps a chunk at a time: the chunk's rows, one array per column, and the number of
@@ -382,7 +403,7 @@ class StepReading:
                     for name, column in values.items():
                         out = chunk.get(name)
                         if out is None or out.dtype != column.dtype or out.shape[len(lead) :] != column.shape[1:]:
-                            out = chunk[name] = _array_for(out, column, lead, name)
+                            out = chunk[name] = _array_for(out, column, lead, name, self.source.pieces[runs.pieces[j]])
                         if n == 1:
                             out[at - lo : end - lo] = column[rows]
                         else:
@@ -413,6 +434,31 @@ class StepReading:
         return self._closed
 
 
+def _death_of(workers: Mapping[int, multiprocessing.process.BaseProcess]) -> tuple[int | None, str]:
+    """(pid, how it ended) of the worker whose death broke the pool. The others do not die of
+    the SIGTERM the pool sends them (they ignore it, _start_process_worker) and end cleanly; the
+    one that died may not be reaped yet, so a moment is given."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        ended = {pid: p.exitcode for pid, p in workers.items() if p.exitcode not in (None, 0)}
+        if ended or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if not ended:
+        return None, "it ended abruptly"
+    pid, code = min(ended.items(), key=lambda item: item[1] == -signal.SIGTERM)
+    assert code is not None
+    if code > 0:
+        return pid, f"it exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGKILL:
+        return pid, f"killed by signal {name}; the kernel's OOM killer sends it when memory runs out"
+    return pid, f"killed by signal {name}"
+
+
 def _place(out: np.ndarray, k: int, begin: int, end: int, rows: np.ndarray) -> None:
     """Rows [begin, end) of stream k in a chunk of steps (rows) into out (steps, streams, b, ...):
     a partial step, whole steps, a partial step."""
@@ -439,16 +485,21 @@ def _stored_row_bytes(source: ParquetSource) -> int:
     return max(1, stored // rows) if rows else 1
 
 
-def _array_for(have: np.ndarray | None, values: np.ndarray, lead: tuple[int, ...], name: str) -> np.ndarray:
+def _array_for(
+    have: np.ndarray | None, values: np.ndarray, lead: tuple[int, ...], name: str, piece: tuple[str, int]
+) -> np.ndarray:
     """A chunk's array of a column that values fit in: made for them (first row group), the one it
     has (values cast to it on the way), or that one widened: files may store one column in
-    different widths (int32 in one, int64 in another)."""
+    different widths (int32 in one, int64 in another). piece: the (file, row group) of values.
+    (Lists of other lengths in another file are refused from the footers before a reading.)"""
     if have is None:
         return np.empty((*lead, *values.shape[1:]), dtype=values.dtype)
     if have.shape[len(lead) :] != values.shape[1:]:
+        path, row_group = piece
         raise UserError(
-            f"column {name!r} holds values of shape {values.shape[1:]} in one row group and "
-            f"{have.shape[len(lead) :]} in another: every row needs one shape"
+            f"column {name!r} holds values of shape {values.shape[1:]} in {path} (row group {row_group}) but "
+            f"{have.shape[len(lead) :]} in the row groups read before it: every row needs one shape; rewrite "
+            "the files that disagree with one shape"
         )
     if np.can_cast(values.dtype, have.dtype):
         return have

@@ -268,7 +268,42 @@ def _unified_columns(footers: Mapping[str, Any]) -> _Columns:
         lacking = next((path for path in with_rows if name not in names[path]), None)
         if lacking is not None:
             out.problems.setdefault(name, f"is in {where} but not in {lacking}: every file with rows needs it")
+    _check_list_lengths(footers, with_rows, out)
     return out
+
+
+def _check_list_lengths(footers: Mapping[str, Any], paths: list[str], out: _Columns) -> None:
+    """Files whose list column holds lists of another length (3 values a row in one file, 2 in
+    another), found from the footers: a list of numbers is one leaf column, which holds rows x
+    length numbers where every row holds one length. Otherwise only a reading would meet it, in the
+    middle of a run and only where a chunk of steps spans both files."""
+    import pyarrow as pa
+
+    lists = {name for name, kind in out.types.items() if pa.types.is_list(kind) or pa.types.is_large_list(kind)}
+    first: dict[str, tuple[str, int]] = {}  # column -> (first file, its lists' length)
+    for path in paths:
+        meta = footers[path]
+        leaves = {meta.schema.column(j).path.split(".")[0]: j for j in range(meta.num_columns)}
+        for name in sorted(lists - out.problems.keys()):
+            if name not in leaves:
+                continue
+            values = sum(_values_in(meta.row_group(g).column(leaves[name])) for g in range(meta.num_row_groups))
+            if meta.num_rows == 0 or values % meta.num_rows:
+                continue  # lists of different lengths, or nulls: the reading refuses them, naming the column
+            length = values // meta.num_rows
+            where, expected = first.setdefault(name, (path, length))
+            if length != expected:
+                out.problems[name] = (
+                    f"holds lists of {expected} values in {where} but of {length} in {path}: every row needs "
+                    "one length; rewrite the files that disagree with lists of one length"
+                )
+
+
+def _values_in(chunk: Any) -> int:
+    """The numbers a list column's chunk holds: its leaf slots but those of empty lists and nulls,
+    which its statistics count as nulls."""
+    stats = chunk.statistics
+    return int(chunk.num_values) - (int(stats.null_count) if stats is not None and stats.has_null_count else 0)
 
 
 def _width(kind: Any) -> int:
