@@ -21,9 +21,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dtf import heartbeat
 from dtf.errors import RankFailedError, RankFault, TrainingFailed, UserError, user_error_in
 from dtf.files import out_of_space, write_atomically
-from dtf.train import heartbeat
 
 FAILURES_DIR = Path("logs") / "failures"
 

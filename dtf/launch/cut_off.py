@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtf import failures
+from dtf.heartbeat import HEARTBEAT_DIR, read
 from dtf.launch.stalls import started_here
-from dtf.train.heartbeat import HEARTBEAT_DIR, read
 
 GRACE_S = 10.0  # the agent's own shutdown takes well under a second while the store answers
 DIAL_S = 5.0

@@ -1,5 +1,5 @@
 """On the driver: a rank that stopped making progress (a hang in its forward, its data, a deadlock)
-is found from the ranks' heartbeats (dtf.train.heartbeat), named, and killed at once, long before
+is found from the ranks' heartbeats (dtf.heartbeat), named, and killed at once, long before
 the collective timeout (trainer.dist_timeout_s) would end the run by the error of a healthy peer
 that timed out waiting for it.
 
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtf import failures
-from dtf.train.heartbeat import HEARTBEAT_DIR, Beat, read
+from dtf.heartbeat import HEARTBEAT_DIR, Beat, read
 
 STALL_FLOOR_S = 300.0
 STALL_STEPS = 50  # median step times

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtf.errors import UserError
+from dtf.heartbeat import Heartbeat
 from dtf.train.checkpoint import BEST_FILE, _SafePlanner, _SafeReader, committed, read_marker, verify
-from dtf.train.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from huggingface_hub import StateDictSplit

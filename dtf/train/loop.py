@@ -25,6 +25,7 @@ from dtf.data import loader
 from dtf.data.interface import DataSplits
 from dtf.dist import env as dist_env
 from dtf.errors import UserError
+from dtf.heartbeat import Heartbeat
 from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
 from dtf.models.hf import write_hf_files
@@ -35,7 +36,6 @@ from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward, supervised_step
-from dtf.train.heartbeat import Heartbeat
 from dtf.train.loss import TargetsLikeOutput
 from dtf.train.metrics import Metrics
 from dtf.train.optimizer import fused_where_possible

@@ -23,13 +23,13 @@ from dtf.data.batch import to_device
 from dtf.data.interface import TrainData
 from dtf.dist.env import DistEnv
 from dtf.errors import TrainingFailed
+from dtf.heartbeat import Heartbeat
 from dtf.strategy.base import Strategy
 from dtf.train import position
 from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import committed
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward
-from dtf.train.heartbeat import Heartbeat
 from dtf.train.loggers import Loggers
 from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.nonfinite import NonFiniteGuard

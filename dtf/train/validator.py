@@ -17,8 +17,8 @@ from dtf.config.schema import TrainerConfig
 from dtf.data.batch import take_first, to_device
 from dtf.data.interface import EvalData
 from dtf.dist.env import DistEnv
+from dtf.heartbeat import Heartbeat
 from dtf.train.forward import Forward
-from dtf.train.heartbeat import Heartbeat
 from dtf.train.metrics import MeanMetric, Metrics
 from dtf.train.progress import Progress
 from dtf.train.rng import rng_state, set_rng_state

@@ -242,7 +242,7 @@ def test_a_rank_killed_in_a_save_is_named_and_the_rerun_ends_as_the_straight_run
         err = run_dtf([*FAILING, *async_kill], run_dir, expect=1).stderr
     else:
         with _start_slowed(run_dir, tmp_path / "err", delay_s=0.02) as proc:
-            from dtf.train.heartbeat import path_of, read
+            from dtf.heartbeat import path_of, read
 
             deadline = time.monotonic() + 120
             beat = None

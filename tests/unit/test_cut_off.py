@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dtf import heartbeat
 from dtf.launch import cut_off
-from dtf.train import heartbeat
 
 
 def _rank(run_dir: Path, rank: int, pid: int) -> None:

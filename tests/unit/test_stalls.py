@@ -8,10 +8,9 @@ import socket
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from dtf import failures
+from dtf import failures, heartbeat
+from dtf.heartbeat import Beat
 from dtf.launch.stalls import STALL_FLOOR_S, StallWatch
-from dtf.train import heartbeat
-from dtf.train.heartbeat import Beat
 
 HOST = socket.gethostname()
 
