@@ -3,14 +3,14 @@ surface (`python -m dtf`, dtf's Hydra configs, `python -m dtf.eval`), one test p
 checking a result against something independent (a count from the data, another run), not an exit 0.
 
 Ported here: test_train.py test_train_fast_dev_run, test_train_cpu, test_train_epoch_double_val_loop,
-test_train_ddp_sim; test_eval.py test_train_eval; test_configs.py test_train_config/test_eval_config.
+test_train_ddp_sim, test_train_resume; test_eval.py test_train_eval; test_configs.py test_train_config/test_eval_config.
 Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN
 (tests/e2e/test_dtf_sweeper.py); LHT's key names (tests/config/test_compose.py).
 
 Not ported (need a GPU, or a Mac): test_train_gpu, test_train_epoch_gpu_amp (CUDA only),
 test_train_mps (Apple's MPS only).
 
-Not yet ported (time ran out; see the report of branch lht): test_train_resume, test_sweeps.py
+Not yet ported (time ran out; see the report of branch lht): test_sweeps.py
 (test_experiments, test_hydra_sweep, test_optuna_sweep, test_optuna_sweep_ddp_sim),
 test_datamodules.py.
 """
@@ -28,16 +28,14 @@ from tests.helpers.run_command import dtf_command, run_command, run_dtf
 
 # 1600 training points / 2 ranks / 32 per batch = 25 steps an epoch (test_cli's default job).
 TINY = ["data.dataset.num_points=2000", "data.dataset.num_test=400"]
+ONE_EPOCH = [*TINY, "trainer.max_epochs=1", "data.val_fraction=0.1", "trainer.eval_every_n_epochs=0.5"]
 
 
 @pytest.fixture(scope="module")
 def one_epoch_double_val(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One epoch on 2 CPU ranks, validated every half epoch: shared by the cpu, ddp_sim,
     double_val_loop and eval ports."""
-    return run_dtf(
-        [*TINY, "trainer.max_epochs=1", "data.val_fraction=0.1", "trainer.eval_every_n_epochs=0.5"],
-        tmp_path_factory.mktemp("lht") / "run",
-    )
+    return run_dtf(ONE_EPOCH, tmp_path_factory.mktemp("lht") / "run")
 
 
 def test_train_fast_dev_run(tmp_path: Path) -> None:
@@ -56,6 +54,17 @@ def test_train_cpu(one_epoch_double_val: Any) -> None:
     per_rank = (2000 - 400) * 9 // 10 // 2
     assert s["steps_per_rank"] == [math.ceil(per_rank / 32)] * 2 == [s["global_step"]] * 2
     assert math.isfinite(s["final_train_loss"])
+
+
+def test_train_resume(one_epoch_double_val: Any, tmp_path: Path) -> None:
+    """LHT test_train_resume (a run of one epoch, then the same run resumed from its last.ckpt for a
+    second) -> a run stopped at step 12 (mid-epoch, at its first validation) and run again in its run
+    dir (checkpoint.resume=auto) ends with the same weights as the run that never stopped."""
+    run_dtf([*ONE_EPOCH, "trainer.max_steps=12"], tmp_path / "run")
+    resumed = run_dtf(ONE_EPOCH, tmp_path / "run").summary
+    straight = one_epoch_double_val.summary
+    assert resumed["resumed_from_step"] == 12
+    assert (resumed["global_step"], resumed["params_sha256"]) == (straight["global_step"], straight["params_sha256"])
 
 
 def test_train_epoch_double_val_loop(one_epoch_double_val: Any) -> None:
