@@ -10,8 +10,9 @@ Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN
 Not ported (need a GPU, or a Mac): test_train_gpu, test_train_epoch_gpu_amp (CUDA only),
 test_train_mps (Apple's MPS only).
 
+Ported: test_sweeps.py test_experiments and test_hydra_sweep (one multirun).
 Not yet ported (time ran out; see the report of branch lht): test_sweeps.py
-(test_experiments, test_hydra_sweep, test_optuna_sweep, test_optuna_sweep_ddp_sim),
+test_optuna_sweep, test_optuna_sweep_ddp_sim (the optuna sweeper: tests/e2e/test_dtf_sweeper.py),
 test_datamodules.py.
 """
 
@@ -108,3 +109,21 @@ def test_train_config(experiment: str | None) -> None:
     cfg = compose_config([f"+experiment={experiment}"] if experiment else [])
     model = hydra.utils.instantiate(cfg.model)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_experiments_and_hydra_sweep(tmp_path: Path) -> None:
+    """LHT test_sweeps.py test_experiments (-m experiment=glob(*) with fast_dev_run) and
+    test_hydra_sweep (-m model.optimizer.lr=0.005,0.01 with fast_dev_run) -> one multirun of dtf's
+    experiments crossed with two learning rates under debug=fast: 2 x 2 jobs, each in its own dir,
+    each with its own point of the grid and two steps taken."""
+    sweep = tmp_path / "sweep"
+    grid = ["+experiment=digits_cnn,fake_images_cnn", "optimizer.lr=0.005,0.01"]
+    run_dtf([*grid, "debug=fast", "launcher.nproc=1"], sweep, multirun=True, timeout=300)
+    jobs = sorted((p for p in sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name))
+    points = set()
+    for job in jobs:
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["global_step"] == 2, job
+        points.add(tuple(o for o in ("digits_cnn", "fake_images_cnn", "lr=0.005", "lr=0.01") if o in overrides))
+    assert len(jobs) == 4 and len(points) == 4
