@@ -3,17 +3,15 @@ surface (`python -m dtf`, dtf's Hydra configs, `python -m dtf.eval`), one test p
 checking a result against something independent (a count from the data, another run), not an exit 0.
 
 Ported here: test_train.py test_train_fast_dev_run, test_train_cpu, test_train_epoch_double_val_loop,
-test_train_ddp_sim, test_train_resume; test_eval.py test_train_eval; test_configs.py test_train_config/test_eval_config.
-Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN
+test_train_ddp_sim, test_train_resume; test_eval.py test_train_eval; test_configs.py
+test_train_config/test_eval_config; test_sweeps.py test_experiments and test_hydra_sweep (one multirun);
+test_datamodules.py test_mnist_datamodule.
+Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN, LHT's test_optuna_sweep
 (tests/e2e/test_dtf_sweeper.py); LHT's key names (tests/config/test_compose.py).
 
-Not ported (need a GPU, or a Mac): test_train_gpu, test_train_epoch_gpu_amp (CUDA only),
-test_train_mps (Apple's MPS only).
-
-Ported: test_sweeps.py test_experiments and test_hydra_sweep (one multirun).
-Not yet ported (time ran out; see the report of branch lht): test_sweeps.py
-test_optuna_sweep, test_optuna_sweep_ddp_sim (the optuna sweeper: tests/e2e/test_dtf_sweeper.py),
-test_datamodules.py.
+Not ported (need a GPU, or a Mac): test_train_gpu / test_train_fast_dev_run_gpu, test_train_epoch_gpu_amp
+(CUDA only), test_train_mps (Apple's MPS only).
+Not yet ported (time ran out): test_sweeps.py test_optuna_sweep_ddp_sim (optuna with 2 CPU ranks a trial).
 """
 
 from __future__ import annotations
@@ -127,3 +125,25 @@ def test_experiments_and_hydra_sweep(tmp_path: Path) -> None:
         assert summary["global_step"] == 2, job
         points.add(tuple(o for o in ("digits_cnn", "fake_images_cnn", "lr=0.005", "lr=0.01") if o in overrides))
     assert len(jobs) == 4 and len(points) == 4
+
+
+def test_mnist_datamodule() -> None:
+    """LHT test_datamodules.py test_mnist_datamodule (train + val + test sizes add up to MNIST's 70,000,
+    a batch has the images' and labels' shapes) -> dtf's digits data (data=digits, MNIST-shaped) with a
+    10 % validation split: its splits add up to scikit-learn's own count of digits, and a training
+    batch is data.batch_size images of 1 x 28 x 28 with integer labels."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    from dtf.config.typed import typed
+    from dtf.data import loader
+    from tests.helpers.inprocess import compose_config, group_of_one
+
+    cfg = typed(compose_config(["+experiment=digits_cnn", "data.val_fraction=0.1"]))
+    with group_of_one() as env:
+        splits = loader.build_splits(cfg.data, env, seed=0)
+        sizes = [len(split.loader.dataset) for split in (splits.train, splits.val, splits.test)]  # type: ignore[union-attr]
+        images, labels = next(iter(splits.train.loader))
+    assert sum(sizes) == len(load_digits().target) and sizes[1] == round(0.1 * (sizes[0] + sizes[1]))
+    assert images.shape == (cfg.data.batch_size, 1, 28, 28) and labels.shape == (cfg.data.batch_size,)
+    assert labels.dtype == torch.long
