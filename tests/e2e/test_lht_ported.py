@@ -4,7 +4,8 @@ checking a result against something independent (a count from the data, another 
 
 Ported here: test_train.py test_train_fast_dev_run, test_train_cpu, test_train_epoch_double_val_loop,
 test_train_ddp_sim, test_train_resume; test_eval.py test_train_eval; test_configs.py
-test_train_config/test_eval_config; test_sweeps.py test_experiments and test_hydra_sweep (one multirun);
+test_train_config/test_eval_config; test_sweeps.py test_experiments, test_hydra_sweep and
+test_hydra_sweep_ddp_sim (one multirun);
 test_datamodules.py test_mnist_datamodule.
 Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN, LHT's test_optuna_sweep
 (tests/e2e/test_dtf_sweeper.py); LHT's key names (tests/config/test_compose.py).
@@ -111,18 +112,19 @@ def test_train_config(experiment: str | None) -> None:
 
 def test_experiments_and_hydra_sweep(tmp_path: Path) -> None:
     """LHT test_sweeps.py test_experiments (-m experiment=glob(*) with fast_dev_run) and
-    test_hydra_sweep (-m model.optimizer.lr=0.005,0.01 with fast_dev_run) -> one multirun of dtf's
-    experiments crossed with two learning rates under debug=fast: 2 x 2 jobs, each in its own dir,
-    each with its own point of the grid and two steps taken."""
+    test_hydra_sweep (-m model.optimizer.lr=0.005,0.01 with fast_dev_run) and test_hydra_sweep_ddp_sim
+    (the same on 2 CPU processes a job) -> one multirun of dtf's experiments crossed with two learning
+    rates under debug=fast on dtf's default 2 CPU ranks: 2 x 2 jobs, each in its own dir, each with
+    its own point of the grid, two steps taken and 2 ranks."""
     sweep = tmp_path / "sweep"
     grid = ["+experiment=digits_cnn,fake_images_cnn", "optimizer.lr=0.005,0.01"]
-    run_dtf([*grid, "debug=fast", "launcher.nproc=1"], sweep, multirun=True, timeout=300)
+    run_dtf([*grid, "debug=fast"], sweep, multirun=True, timeout=300)
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name))
     points = set()
     for job in jobs:
         overrides = (job / ".hydra" / "overrides.yaml").read_text()
         summary = json.loads((job / "summary.json").read_text())
-        assert summary["global_step"] == 2, job
+        assert (summary["global_step"], summary["world_size"]) == (2, 2), job
         points.add(tuple(o for o in ("digits_cnn", "fake_images_cnn", "lr=0.005", "lr=0.01") if o in overrides))
     assert len(jobs) == 4 and len(points) == 4
 
