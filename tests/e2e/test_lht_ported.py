@@ -145,7 +145,7 @@ def test_mnist_datamodule() -> None:
     with group_of_one() as env:
         splits = loader.build_splits(cfg.data, env, seed=0)
         sizes = [len(split.loader.dataset) for split in (splits.train, splits.val, splits.test)]  # type: ignore[union-attr]
-        images, labels = next(iter(splits.train.loader))
+        images, labels = next(iter(splits.train.loader))  # type: ignore[attr-defined]  # the loader-backed TrainData of in-memory data
     assert sum(sizes) == len(load_digits().target) and sizes[1] == round(0.1 * (sizes[0] + sizes[1]))
     assert images.shape == (cfg.data.batch_size, 1, 28, 28) and labels.shape == (cfg.data.batch_size,)
     assert labels.dtype == torch.long
