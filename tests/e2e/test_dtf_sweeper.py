@@ -195,7 +195,9 @@ def test_a_failed_trial_is_failed_a_stopped_one_waits_for_the_next_run_and_the_s
 
 # lightning-hydra-template's configs/hparams_search/mnist_optuna.yaml as a user ports it to dtf: its
 # sweeper (dtf's for Hydra's Optuna sweeper), its metric and search space (dtf's keys), and its
-# `hydra: mode: "MULTIRUN"` line kept, so that `python -m dtf hparams_search=...` sweeps without -m.
+# `hydra: mode: "MULTIRUN"` line kept, so that `python -m dtf hparams_search=...` sweeps without -m;
+# each trial on 2 ranks, as LHT's test_optuna_sweep_ddp_sim has it (its test_optuna_sweep on one is
+# this file's other sweeps).
 LHT_SEARCH = """\
 # @package _global_
 
@@ -228,7 +230,13 @@ def test_lightning_hydra_templates_hparams_search_with_its_multirun_mode_runs_ea
     (conf / "mnist_optuna.yaml").write_text(LHT_SEARCH)
     sweep_dir = tmp_path / "sweep"
     run = run_dtf(  # no -m: the config's hydra.mode makes it a sweep
-        [*SMALL, "trainer.max_steps=3", "+hparams_search=mnist_optuna", f"hydra.sweep.dir={sweep_dir}"],
+        [
+            *SMALL,
+            "launcher.nproc=2",
+            "trainer.max_steps=3",
+            "+hparams_search=mnist_optuna",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
         tmp_path / "not_a_run",
         options=[f"--config-dir={tmp_path / 'conf'}"],
     )
@@ -237,4 +245,4 @@ def test_lightning_hydra_templates_hparams_search_with_its_multirun_mode_runs_ea
     assert sorted(found) == [0, 1] and all(t["state"] == "complete" for t in found.values())
     for number in found:  # each a single run in its own directory, not a sweep of its own
         summary = json.loads((sweep_dir / str(number) / "summary.json").read_text())
-        assert summary["global_step"] == 3
+        assert summary["global_step"] == 3 and summary["world_size"] == 2

@@ -8,11 +8,12 @@ test_train_config/test_eval_config; test_sweeps.py test_experiments, test_hydra_
 test_hydra_sweep_ddp_sim (one multirun);
 test_datamodules.py test_mnist_datamodule.
 Ported elsewhere: hparams_search/mnist_optuna.yaml with its hydra.mode: MULTIRUN, LHT's test_optuna_sweep
-(tests/e2e/test_dtf_sweeper.py); LHT's key names (tests/config/test_compose.py).
+and test_optuna_sweep_ddp_sim (2 ranks a trial; tests/e2e/test_dtf_sweeper.py); LHT's key names
+(tests/config/test_compose.py).
 
 Not ported (need a GPU, or a Mac): test_train_gpu / test_train_fast_dev_run_gpu, test_train_epoch_gpu_amp
 (CUDA only), test_train_mps (Apple's MPS only).
-Not yet ported (time ran out): test_sweeps.py test_optuna_sweep_ddp_sim (optuna with 2 CPU ranks a trial).
+test_optuna_sweep_ddp_sim_wandb is test_optuna_sweep_ddp_sim with logger=wandb (tests/unit/test_loggers.py).
 """
 
 from __future__ import annotations
