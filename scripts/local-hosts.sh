@@ -7,6 +7,9 @@
 #   scripts/local-hosts.sh start N   makes N hosts (default 2) and prints: export DTF_HOSTS="dtf-h1 dtf-h2"
 #   scripts/local-hosts.sh stop      removes exactly what start made
 #   scripts/local-hosts.sh run H CMD...   runs CMD on host H (ip netns exec: its network, its /etc/hosts)
+#   scripts/local-hosts.sh shape RATE [DELAY]   shapes every host's link, both ways, with tc: RATE
+#       (tc's units: 10mbit, 1gbit) by tbf, DELAY (5ms) by netem underneath; `shape off` unshapes.
+#       What runs inside one host (its loopback) is never shaped: a host's ranks talk at memory speed.
 # Each host resolves every host's name, and the machine's name to its own address, through
 # /etc/netns/<host>/hosts, which `ip netns exec` puts in place of /etc/hosts. Needs root.
 # DTF_HOSTS_DIR (default /tmp/dtf-hosts) records what was made.
@@ -78,6 +81,45 @@ stop() {
   log "stopped"
 }
 
+# The qdiscs of one host's link: eth0 inside it (what it sends), its veth on the bridge (what it receives).
+shape_host() {
+  local h="$1" rate="$2" delay="$3" burst="$4"
+  local devices=("ip netns exec $h tc qdisc %s dev eth0" "tc qdisc %s dev ${h}v")
+  for dev in "${devices[@]}"; do
+    # shellcheck disable=SC2086,SC2059
+    $(printf "$dev" del) root 2>/dev/null || true
+    [ "$rate" = off ] && continue
+    if [ -n "$delay" ]; then
+      # shellcheck disable=SC2086,SC2059
+      $(printf "$dev" add) root handle 1: netem delay "$delay" limit 100000 2>/dev/null || {
+        log "tc's netem is not in this kernel ($(uname -r)): DELAY cannot be shaped here, only RATE"
+        return 1
+      }
+      # shellcheck disable=SC2086,SC2059
+      $(printf "$dev" add) parent 1: handle 2: tbf rate "$rate" burst "$burst" latency 1s
+    else
+      # shellcheck disable=SC2086,SC2059
+      $(printf "$dev" add) root tbf rate "$rate" burst "$burst" latency 1s
+    fi
+  done
+}
+
+shape() {
+  local rate="${1:?usage: $0 shape RATE [DELAY] | shape off}" delay="${2:-}"
+  [ -f "$DIR/hosts" ] || { log "no hosts: start them first"; exit 1; }
+  command -v tc >/dev/null || { log "needs tc (iproute2)"; exit 1; }
+  local burst=0
+  if [ "$rate" != off ]; then
+    # tbf's burst: 5 ms at the rate (at least 16 KB), which the kernel's timer needs at high rates
+    burst=$(python3 -c "import sys,re;m=re.fullmatch(r'([0-9.]+)([kmg]?)bit',sys.argv[1]);assert m;b=float(m[1])*{'':1,'k':1e3,'m':1e6,'g':1e9}[m[2]]/8*0.005;print(max(16384,int(b)))" "$rate" 2>/dev/null) \
+      || { log "RATE is tc's, e.g. 10mbit, 100mbit, 1gbit (got $rate)"; exit 2; }
+  fi
+  while read -r h; do
+    shape_host "$h" "$rate" "$delay" "$burst" || { [ "$rate" = off ] || shape off; exit 1; }
+  done <"$DIR/hosts"
+  if [ "$rate" = off ]; then log "links unshaped"; else log "links shaped: $rate${delay:+, $delay delay}, both ways"; fi
+}
+
 run() {
   local h="$1"
   shift
@@ -88,5 +130,6 @@ case "${1:-}" in
   start) start "${2:-2}" ;;
   stop) stop ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 start [N] | stop | run HOST CMD..." >&2; exit 2 ;;
+  shape) shift; shape "$@" ;;
+  *) echo "usage: $0 start [N] | stop | run HOST CMD... | shape RATE [DELAY] | shape off" >&2; exit 2 ;;
 esac
