@@ -219,16 +219,23 @@ def shortfall(found: Estimate, node: Node) -> str | None:
     return f"needs {gib(need)} on this node ({node.local_ranks} rank(s)), which has {gib(available)} free"
 
 
-def judge(found: Estimate, node: Node, mode: MemoryCheck) -> None:
+# What a refusal advises: sharding, unless the run shards as much as it can already (strategy=auto).
+SHARD_IT = (
+    "shard it (strategy=fsdp, mics, or zero with strategy.stage=3, and strategy.meta_init=true), use fewer ranks "
+    "per node, or set trainer.memory_check=warn to run anyway"
+)
+NOTHING_FITS = (
+    "strategy=auto finds no strategy it fits under (this is the most sharded one): use more ranks or nodes, "
+    "strategy=fsdp strategy.cpu_offload=true, or set trainer.memory_check=warn to run anyway"
+)
+
+
+def judge(found: Estimate, node: Node, mode: MemoryCheck, advice: str = SHARD_IT) -> None:
     """Refuse (UserError) or warn about a run whose model state cannot fit on the node."""
     short = shortfall(found, node)
     if short is None or mode == MemoryCheck.off:
         return
-    message = (
-        f"trainer.memory_check: the model's state {short} ({found.describe()}); shard it (strategy=fsdp, mics, or "
-        "zero with strategy.stage=3, and strategy.meta_init=true), use fewer ranks per node, or set "
-        "trainer.memory_check=warn to run anyway"
-    )
+    message = f"trainer.memory_check: the model's state {short} ({found.describe()}); {advice}"
     if mode == MemoryCheck.refuse:
         raise UserError(message)
     if node.speaks:
@@ -241,6 +248,7 @@ def check(
     optimizer_factory: OptimizerFactory,
     node: Node,
     mode: MemoryCheck,
+    advice: str = SHARD_IT,
 ) -> Estimate | None:
     """Refuse (UserError) or warn about a run whose model state cannot fit; the estimate, or None
     when the check is off or the model cannot be built on meta. build: the model as the run builds
@@ -249,7 +257,7 @@ def check(
         return None
     found = estimate_built(build, optimizer_factory, shares, node.speaks)
     if found is not None:
-        judge(found, node, mode)
+        judge(found, node, mode, advice)
     return found
 
 
@@ -259,6 +267,7 @@ def check_before_start(
     optimizer_factory: OptimizerFactory,
     node: Node,
     mode: MemoryCheck,
+    advice: str = SHARD_IT,
 ) -> None:
     """check() on the driver, before any rank starts. A whole replica on every rank (the most a
     strategy holds) is tried first: when that fits, as for most models, the strategies (and
@@ -272,7 +281,7 @@ def check_before_start(
         return  # (None: the model cannot be built on meta, said already)
     whole = estimate_built(build, optimizer_factory, WHOLE_REPLICA)
     if whole is not None and shortfall(whole, node) is not None:
-        check(build, shares(), optimizer_factory, node, mode)
+        check(build, shares(), optimizer_factory, node, mode, advice)
 
 
 def checked_on_driver(launcher: Any) -> bool:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtf.config.keys import SECTIONS, section_key_hint, unknown_top_level_line
 from dtf.config.schema import (
+    AutoStrategyConfig,
     CheckpointConfig,
     LocalLauncherConfig,
     MemoryCheck,
@@ -354,7 +355,12 @@ def expected_world_size(launcher: LauncherConfig) -> int | None:
 
 def _check_strategy(run: RunConfig) -> None:
     s = run.strategy
-    if isinstance(s, MicsStrategyConfig):
+    if isinstance(s, AutoStrategyConfig) and run.trainer.fn is not None:
+        raise UserError(
+            "strategy=auto chooses by the model's size, and a trainer=function run builds its own models: name a "
+            "strategy (strategy=ddp, zero, fsdp, or mics, whose partition_group_size=auto needs no model)"
+        )
+    if isinstance(s, MicsStrategyConfig) and s.partition_group_size != "auto":
         group, world = s.partition_group_size, expected_world_size(run.launcher)
         if world is not None and world % group != 0:
             valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
@@ -394,12 +400,15 @@ def _check_memory(run: RunConfig) -> None:
 
     def shares() -> memory.StateShares:
         from dtf import strategy  # only for a model too large for a whole replica on every rank
+        from dtf.strategy import auto
 
-        return strategy.build(run.strategy, t.precision).state_shares(world)
+        chosen = auto.most_sharded(run.strategy, world) if auto.wants_choice(run.strategy) else run.strategy
+        return strategy.build(chosen, t.precision).state_shares(world)
 
     device = torch.device("cuda" if on_gpu else "cpu")
+    advice = memory.NOTHING_FITS if isinstance(run.strategy, AutoStrategyConfig) else memory.SHARD_IT
     memory.check_before_start(
-        built, shares, instantiate(run.composed.optimizer), memory.Node(local_ranks, device), t.memory_check
+        built, shares, instantiate(run.composed.optimizer), memory.Node(local_ranks, device), t.memory_check, advice
     )
 
 

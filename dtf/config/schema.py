@@ -708,16 +708,30 @@ class MicsStrategyConfig(FSDPStrategyConfig):
     """MiCS / ZeRO-2D: shard inside groups of partition_group_size ranks, replicate across them."""
 
     name: str = "mics"
-    partition_group_size: int = 2
+    # G, or auto: measured at start (dtf.dist.probe), the G whose collectives the links carry fastest
+    # among those that fit in memory (dtf.strategy.choose).
+    partition_group_size: Any = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        g = self.partition_group_size
         require(
-            self.partition_group_size >= 1,
+            g == "auto" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1),
             "strategy.partition_group_size",
-            self.partition_group_size,
-            "use 1 (DDP) up to the world size (ZeRO-3)",
+            g,
+            "use auto, or a number of ranks from 1 (DDP) up to the world size (ZeRO-3) that divides it",
         )
+
+
+@dataclass
+class AutoStrategyConfig:
+    """strategy=auto: ddp, zero stage 1 or 2, mics at a G, or fsdp, chosen at start from the measured
+    links and the memory check (dtf.strategy.auto)."""
+
+    name: str = "auto"
+    # For the sharded choices: see FSDPStrategyConfig.
+    block_classes: list[str] | None = None
+    meta_init: bool = False
 
 
 @dataclass

@@ -26,6 +26,7 @@ SCHEMAS = {
     "schema_strategy_zero": schema.ZeroStrategyConfig,
     "schema_strategy_fsdp": schema.FSDPStrategyConfig,
     "schema_strategy_mics": schema.MicsStrategyConfig,
+    "schema_strategy_auto": schema.AutoStrategyConfig,
     "schema_launcher_local": schema.LocalLauncherConfig,
     "schema_launcher_slurm": schema.SlurmLauncherConfig,
     "schema_launcher_spark": schema.SparkLauncherConfig,

@@ -19,7 +19,9 @@ from dtf.config import schema
 from dtf.errors import UserError
 
 DataConfig = schema.LoaderDataConfig | schema.ParquetDataConfig | schema.TextDataConfig
-StrategyConfig = schema.DDPStrategyConfig | schema.ZeroStrategyConfig | schema.FSDPStrategyConfig
+StrategyConfig = (
+    schema.DDPStrategyConfig | schema.ZeroStrategyConfig | schema.FSDPStrategyConfig | schema.AutoStrategyConfig
+)
 LauncherConfig = schema.LocalLauncherConfig | schema.SlurmLauncherConfig | schema.SparkLauncherConfig
 
 STRATEGIES: dict[str, type] = {
@@ -27,6 +29,7 @@ STRATEGIES: dict[str, type] = {
     "zero": schema.ZeroStrategyConfig,
     "fsdp": schema.FSDPStrategyConfig,
     "mics": schema.MicsStrategyConfig,
+    "auto": schema.AutoStrategyConfig,
 }
 LAUNCHERS: dict[str, type] = {
     "local": schema.LocalLauncherConfig,

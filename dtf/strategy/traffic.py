@@ -26,20 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks run: nodes x ranks per node, rank r on node r // ranks_per_node."""
-
-    nodes: int
-    ranks_per_node: int
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+from dtf.dist.topology import Layout
 
 
 @dataclass(frozen=True)

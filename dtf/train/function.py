@@ -37,6 +37,7 @@ Checkpointing is not offered in these modes (the function owns its loop); see do
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from dtf.data.loader import Datasets, datasets_of
 from dtf.dist.env import DistEnv
 from dtf.errors import UserError
 from dtf.results import Finished
+from dtf.strategy import auto as auto_strategy
 from dtf.train import loggers
 from dtf.train import summary as run_summary
 from dtf.train.function_data import Shard, watching_samplers
@@ -151,6 +153,10 @@ def run(run: RunConfig, env: DistEnv, run_dir: Path, payload: Payload | None) ->
             f"the training set has {len(train_set)} samples for {env.world_size} ranks: "  # type: ignore[arg-type]
             "give it at least one sample per rank"
         )
+    if auto_strategy.wants_choice(run.strategy):  # mics' partition_group_size=auto (preflight refuses strategy=auto)
+        t = run.trainer
+        concrete, _ = auto_strategy.resolve(run.strategy, env, None, None, t.memory_check, t.precision)
+        run = dataclasses.replace(run, strategy=concrete)
     strategy = strategies.build(run.strategy, run.trainer.precision)
     factory = ModuleFactory(build, strategy, env)
     train_shard = Shard(train_set, env.rank, env.world_size, equal=True, name="train_set")

@@ -6,6 +6,7 @@ process around them (environment, process group, signals) is dtf.rank's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dtf.models import build_model
 from dtf.models.hf import write_hf_files
 from dtf.results import Finished, RunResult, Stopped
 from dtf.signals import StopRequest
+from dtf.strategy import auto as auto_strategy
 from dtf.train import blocks, debug, hf_export, loggers, schedule
 from dtf.train import summary as run_summary
 from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
@@ -56,7 +58,9 @@ def run(
     beat = Heartbeat(run_dir, env.rank, dist_env.attempt_number())
     beat.start()  # from here, the driver sees how far this rank got (dtf.launch.stalls)
     try:
+        run, choice = chosen_strategy(run, env)
         trainer = build(run, env, run_dir, stop_request, beat)
+        trainer.strategy_choice = choice
         done = already_finished(trainer, run_dir)
         if done is not None:
             return done if env.is_main else None
@@ -170,6 +174,24 @@ def membership_change(trainer: Trainer, run_dir: Path) -> dict[str, Any] | None:
         if trainer.resumed_from_step is not None and old is not None and old != env.world_size:
             change = elastic.change(ended, trainer.resumed_from_step, old, env.world_size)
     return dist_env.broadcast_from_main(change)
+
+
+def chosen_strategy(run: RunConfig, env: dist_env.DistEnv) -> tuple[RunConfig, dict[str, Any] | None]:
+    """The run with strategy=auto (or mics' partition_group_size=auto) made concrete, and the record
+    of the choice; as it is, and None, for a named strategy. Collective."""
+    if not auto_strategy.wants_choice(run.strategy):
+        return run, None
+    t = run.trainer
+    precision = Precision(t.precision, env.device, None)
+    concrete, record = auto_strategy.resolve(
+        run.strategy,
+        env,
+        lambda: precision.convert_model(build_model(run.composed.model)),
+        instantiate(run.composed.optimizer),
+        t.memory_check,
+        t.precision,
+    )
+    return dataclasses.replace(run, strategy=concrete), record
 
 
 @dataclass

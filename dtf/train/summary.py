@@ -93,7 +93,7 @@ class Summary(Record):
     peak_rss_bytes: list[int | None]  # per rank
     train_seconds: float
     strategy: str
-    strategy_settings: Any
+    strategy_settings: Any  # as configured (strategy=auto: auto; what it chose is strategy and strategy_choice)
     launcher: str
     data_samples: int
     data_dropped_per_epoch: int  # over all ranks
@@ -137,6 +137,9 @@ class LoopSummary(Summary):
     # "new_world_size", "time_lost_s" (from the old world's end to the new one's first step),
     # "steps_recomputed" (done by the old world after that checkpoint)}.
     membership_changes: list[dict[str, Any]]
+    # strategy=auto or partition_group_size=auto: the links measured, the plan chosen and each plan's
+    # predicted communication per step (dtf.strategy.auto); null for a strategy named in full.
+    strategy_choice: dict[str, Any] | None
     data_batches_per_epoch: int
     data_repeated_per_epoch: int  # over all ranks
     # Parquet's data.canonical_partitions as used (auto resolved); null for in-memory data.
@@ -301,6 +304,7 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         lr_final=trainer.optimizer.param_groups[0]["lr"],
         resumed_from_step=trainer.resumed_from_step,
         membership_changes=st.membership_changes,
+        strategy_choice=trainer.strategy_choice,
         data_samples=data.num_samples,
         data_batches_per_epoch=len(data),
         data_dropped_per_epoch=data.num_dropped_per_epoch,

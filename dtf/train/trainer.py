@@ -93,6 +93,7 @@ class Trainer:
         self.resumed_from_world: int | None = None  # the world size of the checkpoint it resumed from
         # A change of the world size since that checkpoint, completed and recorded at the first step.
         self.membership_change: dict[str, Any] | None = None
+        self.strategy_choice: dict[str, Any] | None = None  # strategy=auto's (summary.json's strategy_choice)
         self.compiled_graphs: int | None = None
         self.model_state_bytes: int | None = None
         self._step_samples = 0  # samples of the latest optimizer step, over all ranks

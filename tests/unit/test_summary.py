@@ -68,6 +68,8 @@ LOOP = EVERY_RUN | {
     "best_weights_file",
     # added with elastic membership (issue 35)
     "membership_changes",
+    # added with strategy=auto (issue 50)
+    "strategy_choice",
 }
 FUNCTION = EVERY_RUN | {"mode", "result", "optimizer_state_bytes", "model_state_bytes"}
 SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=200"]
