@@ -202,21 +202,24 @@ def estimate_built(
         np.random.set_state(rng[1])
 
 
-def shortfall(found: Estimate, node: Node) -> str | None:
-    """Where the node cannot hold what its ranks need, as the refusal says it; None when it can."""
+def shortfall(found: Estimate, node: Node, room: float = 1.0) -> str | None:
+    """Where the node cannot hold what its ranks need, as the refusal says it; None when it can.
+    room: the share of the free memory the model's state may take (strategy=auto keeps some for
+    what the estimate leaves out)."""
+    within = "" if room == 1 else f" of which it may take {room:.0%}"
     if node.device.type == "cuda" and not found.shares.on_host:
         gpus = [node.device]  # a rank's own; on the driver, each of the node's ranks'
         if node.device.index is None:
             gpus = [torch.device("cuda", i) for i in range(node.local_ranks)]
         for gpu in gpus:  # each rank needs its share on its own GPU
             free = torch.cuda.mem_get_info(gpu)[0]
-            if found.bytes_per_rank > free:
-                return f"needs {gib(found.bytes_per_rank)} on GPU {gpu.index}, which has {gib(free)} free"
+            if found.bytes_per_rank > free * room:
+                return f"needs {gib(found.bytes_per_rank)} on GPU {gpu.index}, which has {gib(free)} free{within}"
         return None
     need, available = found.bytes_per_rank * node.local_ranks, host_memory_available()
-    if available is None or need <= available:
+    if available is None or need <= available * room:
         return None
-    return f"needs {gib(need)} on this node ({node.local_ranks} rank(s)), which has {gib(available)} free"
+    return f"needs {gib(need)} on this node ({node.local_ranks} rank(s)), which has {gib(available)} free{within}"
 
 
 # What a refusal advises: sharding, unless the run shards as much as it can already (strategy=auto).

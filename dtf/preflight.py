@@ -364,8 +364,9 @@ def _check_strategy(run: RunConfig) -> None:
         group, world = s.partition_group_size, expected_world_size(run.launcher)
         if world is not None and world % group != 0:
             valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+            how = "is larger than" if group > world else "does not divide"
             raise UserError(
-                f"strategy.partition_group_size={group} does not divide the world size {world}: use one of {valid}"
+                f"strategy.partition_group_size={group} {how} the world size {world}: use one of {valid}, or auto"
             )
     blocks = getattr(s, "block_classes", None)
     if blocks:

@@ -178,26 +178,36 @@ def _model_figures(
     return Model(found.param_bytes, found.grad_bytes, units), found
 
 
+# The share of the free memory a chosen plan's model state may take: the memory check's estimate
+# is a lower bound (activations, buffers and the framework come on top), so a plan that would
+# fill the memory with state alone is passed over for one that leaves room, where there is one.
+ROOM_FOR_STATE = 0.5
+
+
 def _verdicts(
     plans: list[Plan], cfg: Any, found: Any, env: dist_env.DistEnv, mode: MemoryCheck, precision: str
 ) -> dict[str, str | None]:
-    """Each plan's memory verdict on this node, joined over the nodes: a plan that does not fit on
-    one does not fit. Collective."""
+    """Each plan's memory verdict on this node, joined over the nodes (a plan that does not fit on
+    one does not fit): with room to spare where some plan leaves it, else as the memory check
+    judges. Collective."""
     from dtf import strategy as strategies
 
-    mine: dict[str, str | None] = {}
+    mine: dict[str, tuple[str | None, str | None]] = {}
     if mode != MemoryCheck.off:
         node = Node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), env.device)
         for plan in plans:
             shares = strategies.build(config_for(plan, cfg), precision).state_shares(env.world_size)
-            mine[str(plan)] = shortfall(dataclasses.replace(found, shares=shares), node)
+            estimate = dataclasses.replace(found, shares=shares)
+            mine[str(plan)] = (shortfall(estimate, node, ROOM_FOR_STATE), shortfall(estimate, node))
     everyone: list[Any] = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
-    joined: dict[str, str | None] = {}
+    roomy: dict[str, str | None] = {}
+    tight: dict[str, str | None] = {}
     for verdicts in everyone:
-        for name, why in verdicts.items():
-            joined[name] = joined.get(name) or why
-    return joined
+        for name, (with_room, at_all) in verdicts.items():
+            roomy[name] = roomy.get(name) or with_room
+            tight[name] = tight.get(name) or at_all
+    return roomy if any(roomy.get(str(p)) is None for p in plans) else tight
 
 
 def _say(env: dist_env.DistEnv, line: str) -> None:

@@ -179,6 +179,8 @@ def test_a_lightning_key_added_with_a_plus_is_refused_naming_its_equivalent() ->
         (["+trainer.max_epoch=3"], "trainer.max_epoch"),  # `+` would otherwise add an ignored key
         (["strategy=zero", "strategy.stage=4"], "strategy.stage"),
         (["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"], "strategy.partition_group_size"),
+        (["strategy=mics", "launcher.nproc=2", "strategy.partition_group_size=4"], "strategy.partition_group_size"),
+        (["strategy=mics", "strategy.partition_group_size=some"], "strategy.partition_group_size"),
         (["strategy=fsdp", "strategy.block_classes=[NoSuchBlock]"], "strategy.block_classes"),
         (["strategy=fsdp", "strategy.param_dtype=bf17"], "strategy.param_dtype"),
     ],

@@ -211,6 +211,37 @@ def test_a_host_cut_off_from_the_others_ends_by_itself_and_says_so(hosts: list[s
     assert max(ended) < 60, ended  # 15 s collective timeout + 10 s grace + 5 s dial, with room on a busy machine
 
 
+@contextlib.contextmanager
+def links_shaped(rate: str) -> Iterator[None]:
+    """Every host's link to the others at `rate`, both ways (scripts/local-hosts.sh shape: tc's tbf);
+    unshaped again after, whatever happens."""
+    shape = ["bash", str(SCRIPTS / "local-hosts.sh"), "shape"]
+    subprocess.run([*shape, rate], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*shape, "off"], check=True, capture_output=True)
+
+
+def test_auto_shards_inside_each_host_when_the_links_between_them_are_slow(hosts: list[str], tmp_path: Path) -> None:
+    # 10 Mbit/s between the hosts, loopback inside each: strategy=auto measures both on the run's own
+    # groups and takes MiCS with G = 2, the ranks of one host (the only all-reduce that crosses is
+    # of each rank's half of the gradients). It ends at the parameters of DDP on 4 ranks of one host.
+    small = ["model=deep_mlp", "model.depth=4", "trainer.max_steps=4", "data.dataset.num_points=2000"]
+    small.append("data.dataset.num_test=200")
+    with links_shaped("10mbit"):
+        runs = run_on_hosts(hosts, [*small, "strategy=auto", "launcher.nproc=2"], tmp_path / "auto")
+    ddp = run_dtf([*small, "strategy=ddp", "launcher.nproc=4"], tmp_path / "ddp")
+    s = runs[0].summary
+    choice = s["strategy_choice"]
+    assert (s["strategy"], choice["plan"], choice["nodes"], choice["ranks_per_node"]) == ("mics", "mics G=2", 2, 2)
+    assert s["strategy_settings"]["name"] == "auto"  # as configured; strategy says what ran
+    assert 10e6 / 8 / 2 <= choice["across_bytes_per_s"] <= 10e6 / 8 * 2, choice  # the shaping, within 2x
+    assert choice["inside_bytes_per_s"] > 20 * choice["across_bytes_per_s"], choice  # loopback: far faster
+    assert "dtf: strategy=auto: measured across nodes" in runs[0].stdout and "chose mics G=2" in runs[0].stdout
+    assert max_difference(runs[0], ddp) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def spark_on_hosts(hosts: list[str]) -> Iterator[str]:
     """A Spark standalone master on the first host and a worker on each (scripts/local-spark.sh)."""

@@ -122,3 +122,19 @@ def test_ddp_of_the_632m_vit_is_refused_before_it_starts_in_one_line(dtf) -> Non
     assert lines[0].endswith("or set trainer.memory_check=warn to run anyway"), lines[0]
     assert not (run.run_dir / "logs").exists()
     assert not (run.run_dir / "summary.json").exists() and not (run.run_dir / "checkpoints").exists()
+
+
+def test_strategy_auto_with_a_model_that_fits_under_no_strategy_is_refused_in_one_line(dtf) -> None:  # type: ignore[no-untyped-def]
+    from dtf.memory import host_memory_available
+
+    # Sharded over the node's 4 ranks, the node holds one model's state in all: deepen ViT-H until
+    # even that cannot fit here (each layer: 19.7 M parameters, 16 bytes each with AdamW).
+    layers = max(32, int((host_memory_available() or 0) / (16 * 19.7e6)) + 1)
+    run = dtf("+recipe=sagemaker_vit", "model=vit_huge", f"model.num_hidden_layers={layers}", "strategy=auto", expect=2)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("dtf: error: trainer.memory_check: the model's state needs"), lines[0]
+    assert (
+        "ZeRO-3: all sharded over 4 ranks" in lines[0] and "strategy=auto finds no strategy it fits under" in lines[0]
+    )
+    assert not (run.run_dir / "logs").exists() and not (run.run_dir / "summary.json").exists()

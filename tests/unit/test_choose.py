@@ -4,6 +4,8 @@ The probe and a run that chooses are tested across namespace hosts (tests/e2e/te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dtf.config.schema import AutoStrategyConfig, MicsStrategyConfig
@@ -11,6 +13,7 @@ from dtf.dist.topology import Layout, Links
 from dtf.strategy.auto import candidates, config_for
 from dtf.strategy.choose import Model, NothingFits, choose
 from dtf.strategy.traffic import Plan, per_step, plans
+from tests.helpers.inprocess import train_in_process
 
 M = 8e6  # bytes of parameters (and of gradients)
 MODEL = Model(M, M, units=9)
@@ -110,3 +113,15 @@ def test_the_chosen_plan_keeps_the_users_settings() -> None:
     assert (cfg.partition_group_size, cfg.block_classes, cfg.meta_init) == (2, ["Linear"], True)
     kept = config_for(Plan("mics", 4), MicsStrategyConfig(cpu_offload=True))
     assert isinstance(kept, MicsStrategyConfig) and kept.partition_group_size == 4 and kept.cpu_offload
+
+
+@pytest.mark.parametrize(("strategy", "chosen"), [("strategy=auto", "ddp"), ("strategy=mics", "mics")])
+def test_a_world_of_one_rank_has_nothing_to_choose_and_says_so(
+    strategy: str, chosen: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = train_in_process([strategy, "trainer.max_steps=2", "model=deep_mlp", "model.depth=2"], tmp_path / "run")
+    said = capsys.readouterr().out
+    assert "a world of 1 rank has nothing to choose between" in said, said
+    assert summary["strategy"] == chosen and summary["strategy_choice"]["why"] == "one rank"
+    if chosen == "mics":
+        assert summary["strategy_choice"]["plan"] == "mics G=1"
