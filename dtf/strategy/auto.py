@@ -28,7 +28,7 @@ from dtf.dist import env as dist_env
 from dtf.dist import probe
 from dtf.dist.topology import Layout
 from dtf.errors import UserError
-from dtf.memory import WHOLE_REPLICA, Node, OptimizerFactory, estimate, shortfall
+from dtf.memory import WHOLE_REPLICA, Estimate, Node, OptimizerFactory, estimate, shortfall
 from dtf.strategy.choose import Choice, Model, NothingFits, choose
 from dtf.strategy.traffic import Plan
 
@@ -122,8 +122,7 @@ def resolve(
         "inside_latency_s": links.inside_latency_s,
         "probe_s": probe_s,
     }
-    figures = _model_figures(build, optimizer_factory, cfg) if build is not None else None
-    if figures is None:  # a function's model: shard inside a node, MiCS's own rule
+    if build is None:  # a function's model: shard inside a node, MiCS's own rule
         plan = Plan("mics", layout.ranks_per_node)
         _say(
             env,
@@ -131,7 +130,7 @@ def resolve(
             f"here: {plan}, sharded inside each node as MiCS does",
         )
         return config_for(plan, cfg), {**record, "plan": str(plan), "why": "model size unknown"}
-    model, found = figures
+    model, found = _model_figures(build, optimizer_factory, cfg)
     plans = candidates(cfg, world)
     verdicts = _verdicts(plans, cfg, found, env, memory_check, precision)
     choice: Choice | str | None = None
@@ -141,12 +140,16 @@ def resolve(
         except NothingFits as e:
             choice = str(e)
     choice = dist_env.broadcast_from_main(choice)
-    if isinstance(choice, str):
-        raise UserError(
+    if isinstance(choice, str):  # (on SLURM and Spark: there the driver could not check before the ranks)
+        line = (
             f"trainer.memory_check: {asked} finds no strategy under which the model's state fits: even the most "
             f"sharded, {plans[-1]}, {choice}; use more ranks or nodes, or strategy=fsdp strategy.cpu_offload=true"
         )
-    assert choice is not None
+        if memory_check == MemoryCheck.refuse:
+            raise UserError(line)
+        _say(env, f"warning: {line}; running it (trainer.memory_check=warn)")
+        choice = choose(plans, layout, links, model, {}, dist.get_backend())
+        choice = Choice(plans[-1], choice.predicted_s)
     _say(env, f"{asked}: measured {links.describe()} in {probe_s:.2g} s; chose {choice.plan}: {choice.describe()}")
     record.update(
         plan=str(choice.plan),
@@ -159,7 +162,7 @@ def resolve(
 
 def _model_figures(
     build: Callable[[], nn.Module], optimizer_factory: OptimizerFactory | None, cfg: Any
-) -> tuple[Model, Any] | None:
+) -> tuple[Model, Estimate]:
     """The model's bytes and sharded units, from the model built on the meta device (nothing
     allocated, nothing drawn from the run's random streams)."""
     from dtf.models.blocks import find_blocks
@@ -185,7 +188,7 @@ ROOM_FOR_STATE = 0.5
 
 
 def _verdicts(
-    plans: list[Plan], cfg: Any, found: Any, env: dist_env.DistEnv, mode: MemoryCheck, precision: str
+    plans: list[Plan], cfg: Any, found: Estimate, env: dist_env.DistEnv, mode: MemoryCheck, precision: str
 ) -> dict[str, str | None]:
     """Each plan's memory verdict on this node, joined over the nodes (a plan that does not fit on
     one does not fit): with room to spare where some plan leaves it, else as the memory check
