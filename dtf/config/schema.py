@@ -393,6 +393,13 @@ class CheckpointConfig:
             self.every_n_steps,
             "use a positive number of optimizer steps, or null to save only at the end",
         )
+        require(
+            "://" not in self.dir,
+            "checkpoint.dir",
+            self.dir,
+            "checkpoints are written to a path (the run dir's folder, or a shared file system's); URLs such as "
+            "s3:// are not written to yet: give a path, e.g. a bucket mounted with s3fs-fuse or gcsfuse",
+        )
         require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         require(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "use 0 (none) or more checkpoints")
         require(

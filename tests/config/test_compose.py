@@ -183,6 +183,7 @@ def test_a_lightning_key_added_with_a_plus_is_refused_naming_its_equivalent() ->
         (["strategy=mics", "strategy.partition_group_size=some"], "strategy.partition_group_size"),
         (["strategy=fsdp", "strategy.block_classes=[NoSuchBlock]"], "strategy.block_classes"),
         (["strategy=fsdp", "strategy.param_dtype=bf17"], "strategy.param_dtype"),
+        (["checkpoint.dir=s3://bucket/run1"], "checkpoint.dir"),  # once taken for a folder named s3:
     ],
 )
 def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
