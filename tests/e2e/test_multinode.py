@@ -242,6 +242,29 @@ def test_auto_shards_inside_each_host_when_the_links_between_them_are_slow(hosts
     assert max_difference(runs[0], ddp) < 1e-5
 
 
+def test_the_topology_benchmarks_smoke_run_measures_the_formulas_bytes_and_ends_at_ddps_parameters(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    # benchmarks/topology.py --smoke (ddp, fsdp and mics G=2 on deep_mlp, 100 Mbit/s across the
+    # hosts), so that it cannot rot: the bytes each host sent across per step, read from its veth's
+    # counters, are the formula's within 10%, every plan ends at DDP's parameters, and the links are
+    # unshaped again after it.
+    import json
+    import sys
+
+    figures = tmp_path / "smoke.json"
+    bench = [sys.executable, str(SCRIPTS.parent / "benchmarks" / "topology.py"), "--smoke", "--json", str(figures)]
+    run_command(bench, timeout=600, cwd=tmp_path)
+    rows = json.loads(figures.read_text())["rows"]
+    assert [r["plan"] for r in rows] == ["ddp", "fsdp", "mics G=2"]
+    for r in rows:
+        assert 0.9 <= r["bytes_measured"] / r["bytes_formula"] <= 1.1, r
+        assert r["max_diff_vs_ddp"] <= 1e-5, r
+    for host in hosts:
+        qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", f"{host}v"], capture_output=True, text=True).stdout
+        assert "tbf" not in qdiscs, qdiscs
+
+
 @pytest.fixture(scope="module")
 def spark_on_hosts(hosts: list[str]) -> Iterator[str]:
     """A Spark standalone master on the first host and a worker on each (scripts/local-spark.sh)."""
