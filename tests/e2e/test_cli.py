@@ -94,7 +94,7 @@ def test_help_lists_groups_and_options() -> None:
     for line in (
         "model: approximator, deep_mlp, hf, mnist_cnn",
         "data: digits, fake_images, parquet, petastorm, scalar_field, text",
-        "strategy: ddp, fsdp, mics, zero",
+        "strategy: auto, ddp, fsdp, mics, zero",
         "launcher: local, slurm, spark",
         "debug: fast, limit, overfit, profile",
     ):
@@ -209,7 +209,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["strategy=nope"], "In 'config': Could not find 'strategy/nope' Available options in 'strategy': ddp fsdp"),
+        (["strategy=nope"], "In 'config': Could not find 'strategy/nope' Available options in 'strategy': auto ddp fsdp"),
         (
             ["trainer.max_step=2"],
             "trainer.max_step is not a setting of dtf's trainer (did you mean trainer.max_steps?)",

@@ -125,8 +125,9 @@ def test_a_killed_sweep_continues_without_training_its_finished_trials_again(tmp
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:  # trial 0 done, trial 1 past its first checkpoint
                 records = trials(sweep_dir)
+                # (committed: a step_* folder is there from the save's start, its marker comes last)
                 if records.get(0, {}).get("state") == "complete" and list(
-                    (sweep_dir / "1" / "checkpoints").glob("step_*")
+                    (sweep_dir / "1" / "checkpoints").glob("step_*/COMMITTED.json")
                 ):
                     break
                 assert sweep.poll() is None, "the sweep ended before it could be killed"
