@@ -209,7 +209,10 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[st
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["strategy=nope"], "In 'config': Could not find 'strategy/nope' Available options in 'strategy': auto ddp fsdp"),
+        (
+            ["strategy=nope"],
+            "In 'config': Could not find 'strategy/nope' Available options in 'strategy': auto ddp fsdp",
+        ),
         (
             ["trainer.max_step=2"],
             "trainer.max_step is not a setting of dtf's trainer (did you mean trainer.max_steps?)",
