@@ -107,7 +107,11 @@ def resolve(
     layout = layout_of(env)
     if layout is None:
         plan = candidates(cfg, world)[-1]
-        _say(env, f"{asked}: the nodes run different numbers of ranks, so no group fits them all: {plan}")
+        _say(
+            env,
+            f"{asked}: the nodes do not hold equal runs of consecutive ranks (as a Spark stage may place them), "
+            f"so no partition group stays inside a node: {plan}",
+        )
         return config_for(plan, cfg), {"requested": asked, "plan": str(plan), "why": "uneven nodes"}
     started = time.perf_counter()
     links = probe.measure(layout, env.rank, env.device)
