@@ -368,6 +368,17 @@ def _check_strategy(run: RunConfig) -> None:
             raise UserError(
                 f"strategy.partition_group_size={group} {how} the world size {world}: use one of {valid}, or auto"
             )
+        if s.cross_group_dtype != "float32" and world == group:
+            raise UserError(
+                f"strategy.cross_group_dtype={s.cross_group_dtype}: with strategy.partition_group_size={group}, the "
+                "world size, there is one group and nothing crosses between groups; leave it at float32, or use a "
+                "smaller group"
+            )
+    if isinstance(s, MicsStrategyConfig) and s.cross_group_dtype != "float32" and run.trainer.precision == "bf16-true":
+        raise UserError(
+            f"strategy.cross_group_dtype={s.cross_group_dtype}: under trainer.precision=bf16-true the gradients are "
+            "bf16 already, so it would change nothing; leave it at float32"
+        )
     blocks = getattr(s, "block_classes", None)
     if blocks:
         model = _meta_model(run)

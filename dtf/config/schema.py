@@ -710,6 +710,9 @@ def refuse_retired_keys(param_dtype: Any, reduce_dtype: Any, activation_checkpoi
         )
 
 
+CROSS_GROUP_DTYPES = ("float32", "bfloat16")
+
+
 @dataclass
 class MicsStrategyConfig(FSDPStrategyConfig):
     """MiCS / ZeRO-2D: shard inside groups of partition_group_size ranks, replicate across them."""
@@ -718,9 +721,18 @@ class MicsStrategyConfig(FSDPStrategyConfig):
     # G, or auto: measured at start (dtf.dist.probe), the G whose collectives the links carry fastest
     # among those that fit in memory (dtf.strategy.choose).
     partition_group_size: Any = "auto"
+    # The dtype the gradients cross between the groups in: bfloat16 sends half the bytes over the
+    # slow links (ZeRO++'s qgZ idea, in bf16 rather than int4); inside a group they stay float32.
+    cross_group_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(
+            self.cross_group_dtype in CROSS_GROUP_DTYPES,
+            "strategy.cross_group_dtype",
+            self.cross_group_dtype,
+            "use float32 (exact, as DDP) or bfloat16 (half the bytes across the groups)",
+        )
         g = self.partition_group_size
         require(
             g == "auto" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1),

@@ -45,7 +45,7 @@ def candidates(cfg: Any, world: int) -> list[Plan]:
     mics G=1 is DDP on FSDP's machinery, mics G=world is fsdp."""
     groups = [g for g in range(1, world + 1) if world % g == 0]
     if isinstance(cfg, MicsStrategyConfig):
-        return [Plan("mics", g) for g in groups]
+        return [Plan("mics", g, cfg.cross_group_dtype) for g in groups]
     middle = [Plan("mics", g) for g in groups if 1 < g < world]
     return [Plan("ddp", 1), Plan("zero1", 1), *middle, Plan("zero2", world), Plan("fsdp", world)]
 

@@ -13,7 +13,8 @@ Per step, with M the model's parameter (and gradient) bytes:
   of the gradients;
 - zero stage 3 and fsdp: an all-gather in forward, another in backward, a reduce-scatter;
 - mics with groups of G: the same three inside each group of G ranks, then an all-reduce of each
-  rank's 1/G of the gradients across the groups, among the ranks that hold the same shard.
+  rank's 1/G of the gradients across the groups, among the ranks that hold the same shard (in
+  bf16 with strategy.cross_group_dtype=bfloat16: half the fp32 gradients' bytes).
 
 gloo has no ring reduce-scatter: its reduce_scatter_tensor all-reduces the whole tensor and keeps a
 slice, twice a ring's bytes (measured on the veth counters of scripts/local-hosts.sh's hosts, as
@@ -37,10 +38,11 @@ class Plan:
 
     strategy: str  # ddp, zero1, zero2, zero3, fsdp, mics
     group: int
+    cross_group_dtype: str = "float32"  # mics: the dtype its all-reduce across the groups sends
 
     def __str__(self) -> str:
         if self.strategy == "mics":
-            return f"mics G={self.group}"
+            return f"mics G={self.group}" + (" bf16" if self.cross_group_dtype == "bfloat16" else "")
         if self.strategy.startswith("zero"):
             return f"zero stage {self.strategy[4:]}"
         return self.strategy
@@ -48,7 +50,10 @@ class Plan:
     def overrides(self) -> list[str]:
         """The command line that runs this plan."""
         if self.strategy == "mics":
-            return ["strategy=mics", f"strategy.partition_group_size={self.group}"]
+            found = ["strategy=mics", f"strategy.partition_group_size={self.group}"]
+            if self.cross_group_dtype != "float32":
+                found.append(f"strategy.cross_group_dtype={self.cross_group_dtype}")
+            return found
         if self.strategy.startswith("zero"):
             return ["strategy=zero", f"strategy.stage={self.strategy[4:]}"]
         return [f"strategy={self.strategy}"]
@@ -101,7 +106,8 @@ def per_step(
             rings.all_gather(partitions, param_bytes, units)
         reduce_scatter(partitions, grad_bytes, units)
         replicas = [list(range(offset, world, g)) for offset in range(g)]  # the ranks holding one shard
-        rings.all_reduce(replicas, grad_bytes / g, units)
+        across = grad_bytes / g / (2 if plan.cross_group_dtype == "bfloat16" else 1)  # fp32 gradients, or bf16
+        rings.all_reduce(replicas, across, units)
     else:
         raise ValueError(f"no traffic formula for strategy {plan.strategy!r}")
     return rings.traffic()

@@ -162,6 +162,10 @@ def test_a_lightning_key_added_with_a_plus_is_refused_naming_its_equivalent() ->
         validate(compose("+trainer.fast_dev_run=1"))
 
 
+BF16_ACROSS_KEY = "strategy.cross_group_dtype"
+BF16_ACROSS = [f"{BF16_ACROSS_KEY}=bfloat16"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -181,6 +185,9 @@ def test_a_lightning_key_added_with_a_plus_is_refused_naming_its_equivalent() ->
         (["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"], "strategy.partition_group_size"),
         (["strategy=mics", "launcher.nproc=2", "strategy.partition_group_size=4"], "strategy.partition_group_size"),
         (["strategy=mics", "strategy.partition_group_size=some"], "strategy.partition_group_size"),
+        (["strategy=mics", "strategy.cross_group_dtype=float16"], "strategy.cross_group_dtype"),
+        (["strategy=mics", "launcher.nproc=2", "strategy.partition_group_size=2", *BF16_ACROSS], BF16_ACROSS_KEY),
+        (["strategy=mics", "trainer.precision=bf16-true", *BF16_ACROSS], BF16_ACROSS_KEY),
         (["strategy=fsdp", "strategy.block_classes=[NoSuchBlock]"], "strategy.block_classes"),
         (["strategy=fsdp", "strategy.param_dtype=bf17"], "strategy.param_dtype"),
         (["checkpoint.dir=s3://bucket/run1"], "checkpoint.dir"),  # once taken for a folder named s3:

@@ -34,6 +34,8 @@ EQUAL = Links(across_bytes_per_s=1e9, inside_bytes_per_s=1e9, across_latency_s=1
         # the other host's: 2 x (2 x 1/2 x M/2)
         (Plan("mics", 2), 2 * (2 * 1 / 2 * M / 2), (1 / 2 + 1 / 2 + 2 * 1 / 2) * M),
         (Plan("mics", 1), 2 * 3 / 4 * M, 2 * 3 / 4 * M),
+        # strategy.cross_group_dtype=bfloat16: the fp32 gradients cross in half their bytes
+        (Plan("mics", 2, "bfloat16"), 2 * (2 * 1 / 2 * M / 4), (1 / 2 + 1 / 2 + 2 * 1 / 2) * M),
     ],
 )
 def test_the_bytes_of_each_plan_are_the_rings_closed_forms(plan: Plan, across: float, inside: float) -> None:
@@ -113,6 +115,9 @@ def test_the_chosen_plan_keeps_the_users_settings() -> None:
     assert (cfg.partition_group_size, cfg.block_classes, cfg.meta_init) == (2, ["Linear"], True)
     kept = config_for(Plan("mics", 4), MicsStrategyConfig(cpu_offload=True))
     assert isinstance(kept, MicsStrategyConfig) and kept.partition_group_size == 4 and kept.cpu_offload
+    narrow = MicsStrategyConfig(cross_group_dtype="bfloat16")
+    assert [str(p) for p in candidates(narrow, 4)] == ["mics G=1 bf16", "mics G=2 bf16", "mics G=4 bf16"]
+    assert config_for(candidates(narrow, 4)[1], narrow).cross_group_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(("strategy", "chosen"), [("strategy=auto", "ddp"), ("strategy=mics", "mics")])
