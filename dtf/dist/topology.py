@@ -24,8 +24,9 @@ class Layout:
 @dataclass(frozen=True)
 class Links:
     """What the probe measured: bytes per second that one host sends across its link (all its
-    ranks at once) and that one rank sends to another of its host, and the time of a small
-    collective on each. None where there is no such link (one node; one rank per node)."""
+    ranks at once) and that one rank sends to another of its host, and the latency of one ring hop
+    on each (a small collective's time over its hops). None where there is no such link (one node;
+    one rank per node)."""
 
     across_bytes_per_s: float | None
     inside_bytes_per_s: float | None
@@ -36,10 +37,10 @@ class Links:
         parts = []
         if self.across_bytes_per_s is not None:
             latency = f"{self.across_latency_s * 1e3:.2g} ms"
-            parts.append(f"across nodes {_rate(self.across_bytes_per_s)} per node (latency {latency})")
+            parts.append(f"across nodes {_rate(self.across_bytes_per_s)} per node (latency {latency} a hop)")
         if self.inside_bytes_per_s is not None:
             latency = f"{self.inside_latency_s * 1e3:.2g} ms"
-            parts.append(f"inside a node {_rate(self.inside_bytes_per_s)} per rank (latency {latency})")
+            parts.append(f"inside a node {_rate(self.inside_bytes_per_s)} per rank (latency {latency} a hop)")
         return ", ".join(parts) or "no links (one rank)"
 
 

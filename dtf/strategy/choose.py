@@ -4,7 +4,7 @@ state fits, the one whose collectives the measured links carry fastest.
 A pure function of what the probe measured (dtf.dist.probe), where the ranks run, the model's
 bytes and the memory check's verdict on each plan, so that it is tested in process with any links.
 The predicted time of a plan is its communication per step (dtf.strategy.traffic's bytes over each
-link's bandwidth, plus each collective's latency), taken as not overlapped with compute: the
+link's bandwidth, plus the latency of each ring hop), taken as not overlapped with compute: the
 compute is the same under every plan, so it does not change which is fastest.
 """
 
@@ -52,9 +52,9 @@ def predicted_seconds(plan: Plan, layout: Layout, links: Links, model: Model, ba
     t = per_step(plan, layout, model.param_bytes, model.grad_bytes, model.units, backend)
     seconds = 0.0
     if t.across_per_host and links.across_bytes_per_s:
-        seconds += t.across_per_host / links.across_bytes_per_s + t.collectives_across * links.across_latency_s
+        seconds += t.across_per_host / links.across_bytes_per_s + t.hops_across * links.across_latency_s
     if t.inside_per_rank and links.inside_bytes_per_s:
-        seconds += t.inside_per_rank / links.inside_bytes_per_s + t.collectives_inside * links.inside_latency_s
+        seconds += t.inside_per_rank / links.inside_bytes_per_s + t.hops_inside * links.inside_latency_s
     return seconds
 
 

@@ -20,7 +20,13 @@ gloo has no ring reduce-scatter: its reduce_scatter_tensor all-reduces the whole
 slice, twice a ring's bytes (measured on the veth counters of scripts/local-hosts.sh's hosts, as
 benchmarks/topology.py does). NCCL's is a ring.
 
-Small tensors are latency-bound instead; dtf.strategy.choose counts the collectives for that.
+Small tensors are latency-bound instead: a ring collective over n ranks takes n-1 hops (an
+all-gather) or 2 (n-1) (an all-reduce) one after the other, each waiting for the last, so
+dtf.strategy.choose charges every hop of a collective the step waits for the probe's latency per
+hop (the latency across for all hops of a ring that crosses hosts: it runs at the pace of its
+slowest). The gradients' all-reduces (DDP's buckets, mics's across the groups) run beside the
+backward, on gloo's threads as on CUDA streams, so their latencies overlap and only their bytes
+count; on NCCL FSDP's all-gathers (prefetched) and reduce-scatters do too.
 """
 
 from __future__ import annotations
@@ -62,12 +68,13 @@ class Plan:
 @dataclass(frozen=True)
 class Traffic:
     """Bytes per step: the most any one host sends across its link, the most any one rank sends
-    to ranks of its own host, and the collectives that cross hosts and that stay inside them."""
+    to ranks of its own host, and the ring hops the step waits for, one after the other, of the
+    collectives that cross hosts and of those that stay inside them."""
 
     across_per_host: float
     inside_per_rank: float
-    collectives_across: int
-    collectives_inside: int
+    hops_across: int
+    hops_inside: int
 
 
 def plans(world: int) -> list[Plan]:
@@ -87,27 +94,28 @@ def per_step(
     world = layout.world
     rings = _Rings(layout)
     reduce_scatter = rings.all_reduce if backend == "gloo" else rings.all_gather  # a ring's bytes, see above
+    streams = backend == "nccl"  # FSDP's collectives overlap compute on their own streams
     everyone = [list(range(world))]
     if plan.strategy == "ddp":
-        rings.all_reduce(everyone, grad_bytes, 1)
+        rings.all_reduce(everyone, grad_bytes, 1, overlapped=True)
     elif plan.strategy == "zero1":
-        rings.all_reduce(everyone, grad_bytes, 1)
+        rings.all_reduce(everyone, grad_bytes, 1, overlapped=True)
         rings.all_gather(everyone, param_bytes, 1)
     elif plan.strategy in ("zero2", "zero3", "fsdp"):
         for _ in range(1 if plan.strategy == "zero2" else 2):
-            rings.all_gather(everyone, param_bytes, units)
-        reduce_scatter(everyone, grad_bytes, units)
+            rings.all_gather(everyone, param_bytes, units, overlapped=streams)
+        reduce_scatter(everyone, grad_bytes, units, overlapped=streams)
     elif plan.strategy == "mics":
         g = plan.group
         if world % g:
             raise ValueError(f"G={g} does not divide the world size {world}")
         partitions = [list(range(start, start + g)) for start in range(0, world, g)]
         for _ in range(2):
-            rings.all_gather(partitions, param_bytes, units)
-        reduce_scatter(partitions, grad_bytes, units)
+            rings.all_gather(partitions, param_bytes, units, overlapped=streams)
+        reduce_scatter(partitions, grad_bytes, units, overlapped=streams)
         replicas = [list(range(offset, world, g)) for offset in range(g)]  # the ranks holding one shard
         across = grad_bytes / g / (2 if plan.cross_group_dtype == "bfloat16" else 1)  # fp32 gradients, or bf16
-        rings.all_reduce(replicas, across, units)
+        rings.all_reduce(replicas, across, units, overlapped=True)
     else:
         raise ValueError(f"no traffic formula for strategy {plan.strategy!r}")
     return rings.traffic()
@@ -120,18 +128,20 @@ class _Rings:
         self.layout = layout
         self.across = [0.0] * layout.nodes
         self.inside = [0.0] * layout.world
-        self.count_across = 0
-        self.count_inside = 0
+        self.hops_across = 0
+        self.hops_inside = 0
 
-    def all_reduce(self, groups: list[list[int]], size: float, times: int) -> None:
-        self._rings(groups, 2 * size, times)
+    def all_reduce(self, groups: list[list[int]], size: float, times: int, overlapped: bool = False) -> None:
+        self._rings(groups, 2 * size, times, 0 if overlapped else 2)
 
-    def all_gather(self, groups: list[list[int]], size: float, times: int) -> None:
-        self._rings(groups, size, times)
+    def all_gather(self, groups: list[list[int]], size: float, times: int, overlapped: bool = False) -> None:
+        self._rings(groups, size, times, 0 if overlapped else 1)
 
-    def _rings(self, groups: list[list[int]], passes_bytes: float, times: int) -> None:
+    def _rings(self, groups: list[list[int]], passes_bytes: float, times: int, waited_passes: int) -> None:
+        """waited_passes: the times round the ring the step waits for (0: it overlaps compute)."""
         node_of = self.layout.node_of
         crosses = inside = False
+        hops = waited_passes * (max(len(group) for group in groups) - 1)  # the groups' rings run side by side
         for group in groups:
             n = len(group)
             if n == 1:
@@ -145,9 +155,9 @@ class _Rings:
                     self.inside[rank] += sent
                     inside = True
         if crosses:  # a ring that crosses runs at the pace of its slowest hop
-            self.count_across += times
+            self.hops_across += times * hops
         elif inside:
-            self.count_inside += times
+            self.hops_inside += times * hops
 
     def traffic(self) -> Traffic:
-        return Traffic(max(self.across), max(self.inside), self.count_across, self.count_inside)
+        return Traffic(max(self.across), max(self.inside), self.hops_across, self.hops_inside)

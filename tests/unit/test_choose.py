@@ -44,10 +44,28 @@ def test_the_bytes_of_each_plan_are_the_rings_closed_forms(plan: Plan, across: f
     assert t.inside_per_rank == pytest.approx(inside)
 
 
+@pytest.mark.parametrize(
+    ("plan", "across", "inside"),
+    [
+        # the ring hops the step waits for, 9 units, 2 hosts x 2 ranks: an all-gather over n ranks
+        # takes n-1 hops, an all-reduce 2 (n-1); the gradients' all-reduces overlap the backward
+        (Plan("ddp", 1), 0, 0),
+        (Plan("zero1", 1), 3, 0),  # the updated parameters' all-gather, after the step
+        (Plan("fsdp", 4), 9 * (3 + 3 + 6), 0),  # gloo's reduce-scatter is an all-reduce
+        (Plan("mics", 2), 0, 9 * (1 + 1 + 2)),
+        (Plan("mics", 1), 0, 0),
+    ],
+)
+def test_the_hops_each_plan_waits_for(plan: Plan, across: int, inside: int) -> None:
+    t = per_step(plan, Layout(2, 2), M, M, units=9)
+    assert (t.hops_across, t.hops_inside) == (across, inside)
+    assert per_step(plan, Layout(2, 2), M, M, units=9, backend="nccl").hops_inside == 0  # on CUDA streams
+
+
 def test_nccl_reduce_scatters_in_a_ring_and_one_host_sends_nothing_across() -> None:
     assert per_step(Plan("fsdp", 4), Layout(2, 2), M, M, backend="nccl").across_per_host == pytest.approx(3 * 3 / 4 * M)
     one_host = per_step(Plan("fsdp", 4), Layout(1, 4), M, M)
-    assert one_host.across_per_host == 0 and one_host.collectives_across == 0
+    assert one_host.across_per_host == 0 and one_host.hops_across == 0
 
 
 def test_every_plan_of_a_world_of_six() -> None:
@@ -82,6 +100,20 @@ def test_slow_links_across_hosts_shard_inside_each_host() -> None:
     assert _auto(4, SLOW_ACROSS, Layout(2, 2)) == "mics G=2"
     assert _mics(4, SLOW_ACROSS, Layout(2, 2)) == "mics G=2"
     assert _mics(8, SLOW_ACROSS, Layout(2, 4)) == "mics G=4"  # the ranks of one host, not the most shards
+
+
+# deep_mlp (2.11 MB, 8 blocks + the root) on 2 namespace hosts x 2 ranks, and what the probe
+# measured there (2026-11-29): at 1 Gbit/s mics G=1 stepped in 70 ms and G=2 in 112 ms (its 36
+# hops inside, each waiting on ranks that share 2 cores), at 100 Mbit/s G=2 in 227 ms and G=1 in 293.
+DEEP_MLP = Model(2.11e6, 2.11e6, units=9)
+AT_1GBIT = Links(across_bytes_per_s=124e6, inside_bytes_per_s=729e6, across_latency_s=0.92e-3, inside_latency_s=0.56e-3)
+AT_100MBIT = Links(12.0e6, 612e6, across_latency_s=0.64e-3, inside_latency_s=0.62e-3)
+
+
+@pytest.mark.parametrize(("links", "chosen"), [(AT_1GBIT, "mics G=1"), (AT_100MBIT, "mics G=2")])
+def test_the_hops_inside_outweigh_the_bytes_saved_across_until_the_link_is_slow(links: Links, chosen: str) -> None:
+    mics = candidates(MicsStrategyConfig(), 4)
+    assert str(choose(mics, Layout(2, 2), links, DEEP_MLP, {}).plan) == chosen
 
 
 def test_equal_links_keep_the_fewest_bytes() -> None:
