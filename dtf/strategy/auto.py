@@ -44,8 +44,8 @@ def candidates(cfg: Any, world: int) -> list[Plan]:
     none fits). strategy=auto leaves out the plans another one runs as fast: zero stage 3 is fsdp,
     mics G=1 is DDP on FSDP's machinery, mics G=world is fsdp."""
     groups = [g for g in range(1, world + 1) if world % g == 0]
-    if isinstance(cfg, MicsStrategyConfig):
-        return [Plan("mics", g, cfg.cross_group_dtype) for g in groups]
+    if isinstance(cfg, MicsStrategyConfig):  # at G = world one group: nothing crosses, in any dtype
+        return [Plan("mics", g, cfg.cross_group_dtype if g < world else "float32") for g in groups]
     middle = [Plan("mics", g) for g in groups if 1 < g < world]
     return [Plan("ddp", 1), Plan("zero1", 1), *middle, Plan("zero2", world), Plan("fsdp", world)]
 
@@ -53,7 +53,7 @@ def candidates(cfg: Any, world: int) -> list[Plan]:
 def config_for(plan: Plan, cfg: Any) -> StrategyConfig:
     """The concrete strategy config of a plan, keeping what the user set (block classes, meta init)."""
     if isinstance(cfg, MicsStrategyConfig):
-        return dataclasses.replace(cfg, partition_group_size=plan.group)
+        return dataclasses.replace(cfg, partition_group_size=plan.group, cross_group_dtype=plan.cross_group_dtype)
     blocks = list(cfg.block_classes) if cfg.block_classes else None
     if plan.strategy == "ddp":
         return DDPStrategyConfig(meta_init=cfg.meta_init)

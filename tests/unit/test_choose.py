@@ -148,8 +148,10 @@ def test_the_chosen_plan_keeps_the_users_settings() -> None:
     kept = config_for(Plan("mics", 4), MicsStrategyConfig(cpu_offload=True))
     assert isinstance(kept, MicsStrategyConfig) and kept.partition_group_size == 4 and kept.cpu_offload
     narrow = MicsStrategyConfig(cross_group_dtype="bfloat16")
-    assert [str(p) for p in candidates(narrow, 4)] == ["mics G=1 bf16", "mics G=2 bf16", "mics G=4 bf16"]
+    # at G = 4 there is one group: nothing crosses, and the config says fp32 (bf16 there is refused by hand)
+    assert [str(p) for p in candidates(narrow, 4)] == ["mics G=1 bf16", "mics G=2 bf16", "mics G=4"]
     assert config_for(candidates(narrow, 4)[1], narrow).cross_group_dtype == "bfloat16"
+    assert config_for(candidates(narrow, 4)[2], narrow).cross_group_dtype == "float32"
 
 
 @pytest.mark.parametrize(("strategy", "chosen"), [("strategy=auto", "ddp"), ("strategy=mics", "mics")])
