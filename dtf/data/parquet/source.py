@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from dtf import remote
 from dtf.config.schema import ParquetDataConfig
+from dtf.data.parquet.cache import FileCache
 from dtf.data.parquet.petastorm_format import UNISCHEMA_KEY, SchemaRefused, Unischema, read_unischema
 from dtf.errors import UserError
+from dtf.remote import first_line
 
 # Written by `python -m dtf.data.prepare` into plain Parquet: the per-row shape of array
 # columns, which Parquet's flat list<float> cannot hold (e.g. images 1x28x28).
@@ -38,23 +41,16 @@ def to_url(path: str) -> str:
     return "file://" + os.path.abspath(os.path.expanduser(path))
 
 
-def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None, key: str = "data.path") -> tuple[Any, str]:
     """(pyarrow filesystem, path) of a URL: local files directly, every other scheme (s3://,
-    gs://, hdfs://, memory://, ...) through fsspec with data.storage_options."""
+    gs://, hdfs://, memory://, ...) through fsspec with data.storage_options (dtf.remote)."""
     import pyarrow.fs as pafs
 
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         return pafs.LocalFileSystem(), parsed.path if parsed.scheme else url
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    fs, path = remote.filesystem(url, storage_options, key)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 # Filter operators of pyarrow's DNF filters (pyarrow.parquet.filters_to_expression).
@@ -89,6 +85,8 @@ class ParquetSource:
     piece_starts: tuple[int, ...] = ()
     # Every file the listing found (those filters keep): a reading checks the data set still holds them.
     files: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # data.cache_dir: where the files of a remote data set are kept once read (None: read remotely each time).
+    cache: FileCache | None = field(default=None, compare=False, repr=False)
 
     def start_of(self, piece: int) -> int:
         return self.piece_starts[piece] if self.piece_starts else 0
@@ -139,7 +137,8 @@ class ParquetSource:
         return sum(self.piece_rows)
 
     def describe(self) -> str:
-        return f"{self.num_rows} rows in {len(self.pieces)} row groups"
+        cached = f" (files cached in {self.cache.root})" if self.cache is not None else ""
+        return f"{self.num_rows} rows in {len(self.pieces)} row groups{cached}"
 
     def fingerprint(self) -> str:
         """Short, and equal exactly when two ranks would plan alike (same row-group sizes in the same order)."""
@@ -356,11 +355,13 @@ def inspect(
         raise UserError(f"{key}={path} does not exist: give the path of a Parquet file or directory")
     dnf = _dnf(filters, filters_key)
     try:
-        fs, root = filesystem(url, storage_options)
+        fs, root = filesystem(url, storage_options, key)
         dataset = list_dataset(fs, root)
     except UserError:
         raise
     except Exception as e:
+        if remote.is_remote(url):
+            raise UserError(remote.explain(e, url, key, "listing the data set")) from None
         raise UserError(f"{key}={url} cannot be opened as a Parquet data set ({first_line(e)})") from None
     partitions = _partition_types(dataset)
     fragments = _fragments(dataset, dnf, partitions, filters, filters_key, key, url)
@@ -569,6 +570,8 @@ def open_sources(data: ParquetDataConfig, world_size: int | None) -> Sources:
     train = inspect(data.path, "data.path", storage, data.filters, "data.filters")
     test = _split_source(data, "test", data.test_path, data.test_filters, storage)
     val = _split_source(data, "val", data.val_path, data.val_filters, storage)
+    if data.cache_dir is not None:
+        train, val, test = _cached(data, train, val, test)
     if data.val_fraction:
         train, val = train.hold_out(data.val_fraction, data.val_seed, "data.val_fraction")
     for source in (train, val, test):
@@ -586,6 +589,31 @@ def open_sources(data: ParquetDataConfig, world_size: int | None) -> Sources:
                 f"data.{'val' if split == 'validation' else 'test'}_path=null"
             )
     return Sources(train, val, test)
+
+
+def _cached(
+    data: ParquetDataConfig, *sources: ParquetSource | None
+) -> tuple[ParquetSource, ParquetSource | None, ParquetSource | None]:
+    """The sources with data.cache_dir keeping their files, those that are remote (a local file
+    is read where it is); refused where none is."""
+    from dtf.data.parquet.cache import make
+
+    if not any(s is not None and not s.url.startswith("file://") for s in sources):
+        raise UserError(
+            f"data.cache_dir={data.cache_dir} keeps remote files on local disk, and data.path={data.path} is on "
+            "local disk already: drop data.cache_dir (it is for s3://, gs://, hdfs://, ... data)"
+        )
+    out = [
+        s
+        if s is None or s.url.startswith("file://")
+        else dataclasses.replace(
+            s, cache=make(str(data.cache_dir), data.cache_limit_gb, s.url, s.storage_options, list(s.files))
+        )
+        for s in sources
+    ]
+    train, val, test = out
+    assert train is not None
+    return train, val, test
 
 
 def _split_source(

@@ -1,0 +1,92 @@
+"""Remote storage (s3://, gs://, hdfs://, ... any scheme fsspec resolves): the file system of a URL
+with the settings dtf adds, and its failures as one line naming the URL and the fix.
+
+What dtf adds: for S3, bounded waits. botocore waits 60 s to connect and 60 s for each read and
+retries, and s3fs retries each call 5 times over, so an endpoint that accepts and never answers
+would hold a run for half an hour; dtf asks botocore for 5 s to connect, 10 s a read (between
+bytes, not for a whole download) and one attempt (s3fs's retries stay), unless the storage
+options say otherwise (config_kwargs, botocore's Config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+from dtf.errors import UserError
+
+S3_CONNECT_TIMEOUT_S = 5
+S3_READ_TIMEOUT_S = 10
+S3_ATTEMPTS = 1
+
+# The package fsspec needs for a scheme, for the refusal (fsspec's own registry names the same).
+_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "abfs": "adlfs",
+    "az": "adlfs",
+    "hf": "huggingface_hub",
+}
+
+
+def is_remote(url: str) -> bool:
+    return urlparse(url).scheme not in ("", "file", "local")
+
+
+def options(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """storage_options with dtf's bounded waits added where the URL is on S3 and they are unset."""
+    found = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (storage_options or {}).items()}
+    if urlparse(url).scheme in ("s3", "s3a"):
+        config = found.setdefault("config_kwargs", {})
+        config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+        config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
+        config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
+    return found
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None, key: str) -> tuple[Any, str]:
+    """(fsspec file system, path in it) of a remote URL; a scheme with no package installed is refused."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url, **options(url, storage_options))
+    except (ImportError, ValueError) as e:
+        scheme = urlparse(url).scheme
+        package = _PACKAGES.get(scheme)
+        if isinstance(e, ImportError) or package:
+            fix = f"pip install {package}" if package else f"install the fsspec package for {scheme}://"
+            raise UserError(
+                f"{key}={url}: no file system for {scheme}:// is installed ({first_line(e)}): {fix}"
+            ) from None
+        raise UserError(f"{key}={url}: fsspec knows no scheme {scheme}:// ({first_line(e)}): check the URL") from None
+
+
+def explain(error: BaseException, url: str, key: str, doing: str) -> str:
+    """One line for a failure of remote storage: the URL, what failed, why, and the fix."""
+    what = first_line(error)
+    text = f"{type(error).__name__} {error}".lower()
+    if isinstance(error, UserError):
+        return str(error)
+    if any(s in text for s in ("timeout", "timed out", "could not connect", "connectionerror", "connecterror")):
+        return (
+            f"{key}={url}: the storage endpoint did not answer while {doing} ({what}): check the endpoint "
+            "(AWS_ENDPOINT_URL, or the storage options' client_kwargs.endpoint_url) and that it is up"
+        )
+    if isinstance(error, PermissionError) or any(
+        s in text for s in ("accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
+    ):
+        return (
+            f"{key}={url}: access was refused while {doing} ({what}): check the credentials "
+            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the storage options' key and secret)"
+        )
+    if isinstance(error, FileNotFoundError) or "nosuchbucket" in text or "does not exist" in text:
+        return f"{key}={url} does not exist ({what}): check the bucket and the path"
+    return f"{key}={url}: {doing} failed ({what})"
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
