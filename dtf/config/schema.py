@@ -565,6 +565,11 @@ class ParquetDataConfig(BaseDataConfig):
     results_queue_size: int = 8
     # fsspec options for remote URLs (endpoint, credentials, ...).
     storage_options: dict[str, Any] = field(default_factory=dict)
+    # A local folder that keeps the files of remote data (s3://, ...) once read, shared by the ranks
+    # of a host (and by later runs): a second epoch reads nothing remote. null: no cache.
+    cache_dir: str | None = None
+    # The most the cache folder holds, in GiB: the least recently used files go first. null: no limit.
+    cache_limit_gb: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -589,6 +594,19 @@ class ParquetDataConfig(BaseDataConfig):
             "use auto or 1 or more reader workers",
         )
         require(self.results_queue_size >= 1, "data.results_queue_size", self.results_queue_size, "use 1 or more")
+        if self.cache_limit_gb is not None:
+            require(
+                self.cache_dir is not None,
+                "data.cache_limit_gb",
+                self.cache_limit_gb,
+                "it bounds data.cache_dir, which is not set: name the folder too (data.cache_dir=/local/dtf-cache)",
+            )
+            require(
+                self.cache_limit_gb > 0,
+                "data.cache_limit_gb",
+                self.cache_limit_gb,
+                "use a size in GiB above 0, or null",
+            )
         c = self.canonical_partitions
         require(
             c == "auto" or (isinstance(c, int) and not isinstance(c, bool) and c >= 1),

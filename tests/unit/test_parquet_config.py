@@ -55,6 +55,17 @@ def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed:
         (["data.path={skewed}", "data.filters=[[label,'=',1]]"], "data.filters: 'label' is not a partition column"),
         (["data.path={skewed}", "data.test_filters=[[split,'=',test]]"], "data.test_filters: 'split' is not a"),
         (["data.path={skewed}", "data.filters=[label]"], "data.filters=['label'] is not a list of [column, op"),
+        (
+            ["data.path={skewed}", "data.cache_limit_gb=5"],
+            "data.cache_limit_gb=5.0 is invalid: it bounds data.cache_dir",
+        ),
+        (
+            ["data.path=s3://b/x", "data.cache_dir=/tmp/c", "data.cache_limit_gb=0"],
+            "data.cache_limit_gb=0.0 is invalid: use a size in GiB above 0",
+        ),
+        (["data.path={skewed}", "data.cache_dir=/tmp/c"], "data.cache_dir=/tmp/c keeps remote files on local disk"),
+        # no gcsfs here or on CI: the line names the package to install
+        (["data.path=gs://bucket/x"], "data.path=gs://bucket/x: no file system for gs:// is installed"),
         # 1021 rows: enough for 2 ranks of 500, not for 3 (the world size comes from the launcher)
         (["data.path={skewed}", "data.batch_size=500", "launcher.nproc=3"], "data.path=file://"),
     ],

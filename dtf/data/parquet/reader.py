@@ -146,8 +146,12 @@ def _open(source: ParquetSource, path: str) -> Any:
     if key in files:
         files.move_to_end(key)
         return files[key]
-    fs, _ = filesystem(source.url, source.storage_options)
-    files[key] = pq.ParquetFile(fs.open_input_file(path), metadata=source.footers.get(path))
+    if source.cache is not None:
+        opened = source.cache.open(path)
+    else:
+        fs, _ = filesystem(source.url, source.storage_options)
+        opened = fs.open_input_file(path)
+    files[key] = pq.ParquetFile(opened, metadata=source.footers.get(path))
     if len(files) > _OPEN_FILES:
         files.popitem(last=False)[1].close(force=True)
     return files[key]
@@ -265,8 +269,12 @@ class StepReading:
         self.pool: Executor | None = None
         self.workers: dict[int, multiprocessing.process.BaseProcess] = {}  # a process pool's, by pid
         self._closed = False
-        if self.order:
+        # The remote listing again, unless every file this reading needs is in data.cache_dir: then
+        # it reads the copies the run started with, and nothing remote.
+        if self.order and not (source.cache and source.cache.holds({source.pieces[p][0] for p in self.order})):
             _check_unchanged(source)
+        if self.order and source.cache is not None:
+            source.cache.prefetch(source.pieces[p][0] for p in self.order)
         if self.order and opts.pool_type != "dummy":
             self.pool = _make_pool(opts, self.reader)
             assert self.pool is not None
