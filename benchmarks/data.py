@@ -5,6 +5,7 @@ against another checkout per rank, and, for images, against Petastorm's own read
                                         [--batch-size 64] [--workers N] [--repeats 7] [--epochs 3]
     .venv/bin/python benchmarks/data.py --world-size 2 --baseline DIR [--baseline-python PY] [--runs 5]
     .venv/bin/python benchmarks/data.py --images [--rows 4096] [--image-size 64] [--rows-per-group 256]
+    .venv/bin/python benchmarks/data.py --s3 [--delay-ms 20] [--files 16] [--rows 1000000] [--repeats 5]
 
 Floor (default): the data set (a built-in one, its train split repeated up to --rows rows) is
 written once as plain Parquet (as `python -m dtf.data.prepare` writes it). Then, alternating so
@@ -28,6 +29,13 @@ reads each rank's epochs (rank r of --world-size, one rank at a time) in child p
 pyarrow < 15) runs with --baseline-python. A process keeps its speed for its life (thread
 placement), which varies by a few percent between processes: --runs runs, each with fresh
 processes, and the median of their ratios.
+
+S3 (--s3): the rows (--files files of them) in a bucket of scripts/local-s3.sh's S3 server, read
+through benchmarks/delay_proxy.py, which adds --delay-ms to each direction of every exchange (tc
+netem's delay; this kernel has no netem). Alternating, per repeat: dtf on the local files; dtf's
+first epoch from S3 into an empty data.cache_dir; its next epoch, from the cache; and the first
+epoch with no cache. It prints rows/s of each and the ratios to local (targets: from the cache
+>= 0.9, the first epoch >= 0.5).
 
 Images (--images): a Petastorm dataset in the style of Petastorm's hello_world (a Unischema with a
 PNG image field of --image-size^2 x 3 random uint8 pixels and an int label), written by Petastorm
@@ -389,12 +397,110 @@ def image_case(args: argparse.Namespace) -> None:
         print(f"  dtf / petastorm ({pool}) = {med[f'dtf/{pool}'] / med[f'petastorm/{pool}']:.2f}  (target >= 1.0)")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def s3_case(args: argparse.Namespace) -> None:
+    import s3fs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server_env = dict(os.environ, DTF_S3_DIR=f"{tmp}/s3")
+        started = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "local-s3.sh"), "start"], env=server_env, capture_output=True, text=True
+        )
+        if started.returncode != 0:
+            sys.exit(f"benchmarks/data.py: scripts/local-s3.sh start failed: {started.stderr.strip()}")
+        exports = dict(line[7:].split("=", 1) for line in started.stdout.splitlines() if line.startswith("export "))
+        endpoint = exports["AWS_ENDPOINT_URL"]
+        delay = ["--delay-ms", str(args.delay_ms)]
+        proxy = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "delay_proxy.py"), "--to", endpoint.split("//", 1)[1], *delay],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proxy.stdout is not None
+            delayed = f"http://127.0.0.1:{proxy.stdout.readline().split()[1]}"
+            keys = {"key": exports["AWS_ACCESS_KEY_ID"], "secret": exports["AWS_SECRET_ACCESS_KEY"]}
+            _s3_rounds(args, Path(tmp), endpoint, delayed, keys, s3fs)
+        finally:
+            proxy.terminate()
+            proxy.wait()
+            subprocess.run(["bash", str(ROOT / "scripts" / "local-s3.sh"), "stop"], env=server_env, capture_output=True)
+
+
+def _s3_rounds(
+    args: argparse.Namespace, tmp: Path, endpoint: str, delayed: str, keys: dict[str, str], s3fs: Any
+) -> None:
+    x, y = build_splits(args.data)["train"]
+    reps = -(-args.rows // len(x))
+    x, y = np.concatenate([x] * reps)[: args.rows], np.concatenate([y] * reps)[: args.rows]
+    local = tmp / "train"
+    local.mkdir()
+    for i in range(args.files):  # each file as prepare writes one, then gathered in one folder
+        part = slice(i * len(x) // args.files, (i + 1) * len(x) // args.files)
+        written = write_parquet(x[part], y[part], tmp / f"file{i}", args.rows_per_group)
+        written.rename(local / f"part-{i:05d}.parquet")  # prepare returns the file it wrote
+    size = sum(f.stat().st_size for f in local.iterdir())
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, **keys).put(f"{local}/", "bench/train/", recursive=True)
+    options = {"client_kwargs": {"endpoint_url": delayed}, **keys}
+
+    def build(path: str, cache: Path | None = None) -> Any:
+        cfg = ParquetDataConfig(
+            path=path,
+            batch_size=args.batch_size,
+            workers_count=args.workers or "auto",
+            storage_options=options if path.startswith("s3://") else {},
+            cache_dir=str(cache) if cache else None,
+        )
+        return parquet.build(OmegaConf.structured(cfg), ENV, seed=0)[0]
+
+    results: dict[str, list[float]] = {"local": [], "s3, first epoch": [], "s3, from the cache": [], "s3, no cache": []}
+    local_data = build(str(local))
+    for i in range(args.repeats + 1):  # the first round warms imports and connections; not counted
+        cached = build("s3://bench/train", tmp / f"cache{i}")
+        uncached = build("s3://bench/train")
+        rounds = {  # pipeline: (its data, the epoch it reads)
+            "local": (local_data, i),
+            "s3, first epoch": (cached, 0),
+            "s3, from the cache": (cached, 1),
+            "s3, no cache": (uncached, 0),
+        }
+        names = list(rounds)
+        order = names if i % 2 else [names[3], names[0], names[1], names[2]]  # the cached epochs in their order
+        for name in order:
+            data, epoch = rounds[name]
+            measured = rate(lambda data=data, epoch=epoch: dtf_epochs(data, epoch, 1))
+            if i:
+                results[name].append(measured)
+    med = {name: statistics.median(v) for name, v in results.items()}
+    print(
+        f"{args.data}: {args.rows} rows in {args.files} files ({size / 1e6:.1f} MB), {args.rows_per_group} rows per "
+        f"row group, batch {args.batch_size}, {args.workers or 'auto'} reader workers, S3 through a proxy adding "
+        f"{args.delay_ms:g} ms each way, one epoch per pipeline, median of {args.repeats} alternating repeats"
+    )
+    for name, value in med.items():
+        print(f"  {name:<20} {value:>12,.0f} rows/s   ({min(results[name]):,.0f}-{max(results[name]):,.0f})")
+    for name, target in (("s3, from the cache", 0.9), ("s3, first epoch", 0.5), ("s3, no cache", None)):
+        ratios = [a / b for a, b in zip(results[name], results["local"], strict=True)]
+        aim = f"; target >= {target}" if target else ""
+        print(
+            f"  {name} / local = {statistics.median(ratios):.2f}  (median of the repeats' ratios, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}{aim})"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="scalar_field", choices=["fake_images", "digits", "scalar_field"])
     p.add_argument("--images", action="store_true", help="the PNG image case (a Petastorm dataset)")
     p.add_argument("--image-size", type=int, default=64, help="--images: pixels per side")
-    p.add_argument("--rows", type=int, default=None, help="default: 200000 (scalar_field), 16384, with --images 4096")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="default: 200000 (scalar_field), 16384, with --images 4096, with --s3 1000000",
+    )
     p.add_argument("--rows-per-group", type=int, default=None, help="default: 1024, with --images 256")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument(
@@ -407,6 +513,9 @@ def main() -> None:
     p.add_argument("--baseline-python", default=None, help="with --baseline: the Python it runs with")
     p.add_argument("--no-read-ahead", action="store_true", help="with --baseline: no set_epoch(read_ahead=True)")
     p.add_argument("--runs", type=int, default=5, help="with --baseline: runs, each with fresh processes")
+    p.add_argument("--s3", action="store_true", help="read from a local S3 server through a delaying proxy")
+    p.add_argument("--delay-ms", type=float, default=20.0, help="with --s3: added to each direction")
+    p.add_argument("--files", type=int, default=16, help="with --s3: files the rows are written in")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.images:
@@ -415,10 +524,13 @@ def main() -> None:
         args.rows_per_group = args.rows_per_group or 256
         image_case(args)
         return
-    args.rows = args.rows or (200_000 if args.data == "scalar_field" else 16_384)
+    args.rows = args.rows or (1_000_000 if args.s3 else 200_000 if args.data == "scalar_field" else 16_384)
     args.rows_per_group = args.rows_per_group or 1024
     if args.baseline:
         per_rank_case(args)
+        return
+    if args.s3:
+        s3_case(args)
         return
     floor_case(args)
 
