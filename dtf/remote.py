@@ -51,17 +51,28 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None, key: str) ->
     """(fsspec file system, path in it) of a remote URL; a scheme with no package installed is refused."""
     import fsspec
 
+    scheme = urlparse(url).scheme
     try:
         return fsspec.core.url_to_fs(url, **options(url, storage_options))
-    except (ImportError, ValueError) as e:
-        scheme = urlparse(url).scheme
+    except ImportError as e:
         package = _PACKAGES.get(scheme)
-        if isinstance(e, ImportError) or package:
-            fix = f"pip install {package}" if package else f"install the fsspec package for {scheme}://"
+        fix = f"pip install {package}" if package else f"install the fsspec package for {scheme}://"
+        raise UserError(f"{key}={url}: no file system for {scheme}:// is installed ({first_line(e)}): {fix}") from None
+    except ValueError as e:
+        if "protocol not known" in str(e).lower():
             raise UserError(
-                f"{key}={url}: no file system for {scheme}:// is installed ({first_line(e)}): {fix}"
+                f"{key}={url}: fsspec knows no scheme {scheme}:// ({first_line(e)}): check the URL"
             ) from None
-        raise UserError(f"{key}={url}: fsspec knows no scheme {scheme}:// ({first_line(e)}): check the URL") from None
+        raise UserError(
+            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_CHECK}"
+        ) from None
+    except TypeError as e:  # a keyword the file system does not take
+        raise UserError(
+            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_CHECK}"
+        ) from None
+
+
+_CHECK = "check the storage options given with it (data.storage_options)"
 
 
 def explain(error: BaseException, url: str, key: str, doing: str) -> str:
@@ -70,18 +81,22 @@ def explain(error: BaseException, url: str, key: str, doing: str) -> str:
     text = f"{type(error).__name__} {error}".lower()
     if isinstance(error, UserError):
         return str(error)
+    s3 = urlparse(url).scheme in ("s3", "s3a")
     if any(s in text for s in ("timeout", "timed out", "could not connect", "connectionerror", "connecterror")):
+        where = "AWS_ENDPOINT_URL, or the storage options' client_kwargs.endpoint_url" if s3 else "the storage options"
         return (
             f"{key}={url}: the storage endpoint did not answer while {doing} ({what}): check the endpoint "
-            "(AWS_ENDPOINT_URL, or the storage options' client_kwargs.endpoint_url) and that it is up"
+            f"({where}) and that it is up"
         )
     if isinstance(error, PermissionError) or any(
         s in text for s in ("accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
     ):
-        return (
-            f"{key}={url}: access was refused while {doing} ({what}): check the credentials "
-            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the storage options' key and secret)"
+        which = (
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the storage options' key and secret"
+            if s3
+            else ("the storage options")
         )
+        return f"{key}={url}: access was refused while {doing} ({what}): check the credentials ({which})"
     if isinstance(error, FileNotFoundError) or "nosuchbucket" in text or "does not exist" in text:
         return f"{key}={url} does not exist ({what}): check the bucket and the path"
     return f"{key}={url}: {doing} failed ({what})"

@@ -66,6 +66,7 @@ def test_petastorm_option_composes_validates_and_overrides_an_experiment(skewed:
         (["data.path={skewed}", "data.cache_dir=/tmp/c"], "data.cache_dir=/tmp/c keeps remote files on local disk"),
         # no gcsfs here or on CI: the line names the package to install
         (["data.path=gs://bucket/x"], "data.path=gs://bucket/x: no file system for gs:// is installed"),
+        (["data.path=nosuch://bucket/x"], "data.path=nosuch://bucket/x: fsspec knows no scheme nosuch://"),
         # 1021 rows: enough for 2 ranks of 500, not for 3 (the world size comes from the launcher)
         (["data.path={skewed}", "data.batch_size=500", "launcher.nproc=3"], "data.path=file://"),
     ],
