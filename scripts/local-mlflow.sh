@@ -12,8 +12,9 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 DIR="${DTF_MLFLOW_DIR:-/tmp/dtf-mlflow}"
 
 log() { echo "local-mlflow: $*" >&2; }
-running() { [ -f "$DIR/server.pid" ] && kill -0 "$(cat "$DIR/server.pid")" 2>/dev/null; }
 healthy() { "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=2)' "$1" 2>/dev/null; }
+# shellcheck source=scripts/local-server.sh
+source "$ROOT/scripts/local-server.sh"
 
 start() {
   if running; then
@@ -23,9 +24,7 @@ start() {
   fi
   "$PY" -c 'import mlflow' 2>/dev/null || { log "mlflow is not installed: pip install 'dtf[mlflow]'"; exit 1; }
   local port="${DTF_MLFLOW_PORT:-}" uri
-  if [ -z "$port" ]; then
-    port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  fi
+  [ -n "$port" ] || port="$(free_port)"
   uri="http://127.0.0.1:$port"
   mkdir -p "$DIR/artifacts"
   # setsid: the server and its workers are one process group, which stop ends as a whole
@@ -35,30 +34,9 @@ start() {
     >"$DIR/server.log" 2>&1 </dev/null &
   echo $! >"$DIR/server.pid"
   echo "$uri" >"$DIR/uri"
-  for _ in $(seq 1 120); do
-    if healthy "$uri"; then
-      log "tracking server $uri (store $DIR)"
-      echo "export MLFLOW_TRACKING_URI=$uri"
-      return
-    fi
-    running || break
-    sleep 0.5
-  done
-  log "the server did not come up; see $DIR/server.log"
-  tail -n 20 "$DIR/server.log" >&2 || true
-  stop
-  exit 1
-}
-
-stop() {
-  if running; then
-    local pid
-    pid="$(cat "$DIR/server.pid")"
-    kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-  fi
-  rm -f "$DIR/server.pid"
-  log "stopped"
+  wait_up "$uri" 0.5
+  log "tracking server $uri (store $DIR)"
+  echo "export MLFLOW_TRACKING_URI=$uri"
 }
 
 case "${1:-}" in

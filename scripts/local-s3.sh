@@ -15,7 +15,6 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 DIR="${DTF_S3_DIR:-/tmp/dtf-s3}"
 
 log() { echo "local-s3: $*" >&2; }
-running() { [ -f "$DIR/server.pid" ] && kill -0 "$(cat "$DIR/server.pid")" 2>/dev/null; }
 # up once it answers HTTP at all (one that checks signatures answers an unsigned request with an error)
 healthy() {
   "$PY" - "$1" 2>/dev/null <<'PYEOF'
@@ -26,6 +25,9 @@ except urllib.error.HTTPError:
     pass
 PYEOF
 }
+# shellcheck source=scripts/local-server.sh
+source "$ROOT/scripts/local-server.sh"
+
 exports() {
   # moto takes any key: these name the server's, so that no client reaches for real credentials
   echo "export AWS_ENDPOINT_URL=$1"
@@ -42,39 +44,16 @@ start() {
   fi
   "$PY" -c 'import moto.server' 2>/dev/null || { log "moto's server is not installed: pip install 'moto[server]'"; exit 1; }
   local port="${DTF_S3_PORT:-}" endpoint
-  if [ -z "$port" ]; then
-    port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  fi
+  [ -n "$port" ] || port="$(free_port)"
   endpoint="http://127.0.0.1:$port"
   mkdir -p "$DIR"
   # setsid: the server is a process group of its own, which stop ends as a whole
   setsid "$PY" -m moto.server -H 127.0.0.1 -p "$port" >"$DIR/server.log" 2>&1 </dev/null &
   echo $! >"$DIR/server.pid"
   echo "$endpoint" >"$DIR/endpoint"
-  for _ in $(seq 1 120); do
-    if healthy "$endpoint"; then
-      log "S3 endpoint $endpoint (requests logged in $DIR/server.log)"
-      exports "$endpoint"
-      return
-    fi
-    running || break
-    sleep 0.25
-  done
-  log "the server did not come up; see $DIR/server.log"
-  tail -n 20 "$DIR/server.log" >&2 || true
-  stop
-  exit 1
-}
-
-stop() {
-  if running; then
-    local pid
-    pid="$(cat "$DIR/server.pid")"
-    kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-  fi
-  rm -f "$DIR/server.pid"
-  log "stopped"
+  wait_up "$endpoint" 0.25
+  log "S3 endpoint $endpoint (requests logged in $DIR/server.log)"
+  exports "$endpoint"
 }
 
 case "${1:-}" in
