@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtf import remote
 from dtf.errors import UserError
 
 _PART = ".part"
@@ -116,7 +117,7 @@ class FileCache:
                 return
             part = entry.with_name(f"{entry.name}.{os.getpid()}.{threading.get_ident()}{_PART}")
             try:
-                _remote(self.url, self.storage_options).get_file(path, str(part))
+                remote.filesystem(self.url, self.storage_options, "data.path")[0].get_file(path, str(part))
                 got, want = part.stat().st_size, self.files[path].size
                 if got != want:
                     raise UserError(
@@ -173,27 +174,14 @@ def _locked(lock: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-_REMOTES: dict[tuple[str, str], Any] = {}
-
-
-def _remote(url: str, storage_options: Mapping[str, Any]) -> Any:
-    """The fsspec file system of url (one per scheme and options in a process)."""
-    from dtf import remote
-
-    key = (url.split("://", 1)[0], repr(sorted(storage_options.items())))
-    if key not in _REMOTES:
-        _REMOTES[key] = remote.filesystem(url, storage_options, "data.path")[0]
-    return _REMOTES[key]
-
-
 def make(
     cache_dir: str, limit_gb: float | None, url: str, storage_options: Mapping[str, Any], paths: list[str]
 ) -> FileCache:
     """The cache of a source whose files (paths on its file system) the listing found, each with its
     size and version as the remote file system reports them now. Refuses a limit below the largest file."""
-    remote = _remote(url, storage_options)
+    fs = remote.filesystem(url, storage_options, "data.path")[0]  # fsspec keeps one per URL scheme and options
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
-        infos = list(pool.map(remote.info, paths))
+        infos = list(pool.map(fs.info, paths))
     files = {p: RemoteFile(int(i["size"]), _version(i)) for p, i in zip(paths, infos, strict=True)}
     limit = None if limit_gb is None else int(limit_gb * 2**30)
     largest = max((f.size for f in files.values()), default=0)

@@ -598,14 +598,14 @@ def _cached(
     is read where it is); refused where none is."""
     from dtf.data.parquet.cache import make
 
-    if not any(s is not None and not s.url.startswith("file://") for s in sources):
+    if not any(s is not None and remote.is_remote(s.url) for s in sources):
         raise UserError(
             f"data.cache_dir={data.cache_dir} keeps remote files on local disk, and data.path={data.path} is on "
             "local disk already: drop data.cache_dir (it is for s3://, gs://, hdfs://, ... data)"
         )
     out = [
         s
-        if s is None or s.url.startswith("file://")
+        if s is None or not remote.is_remote(s.url)
         else dataclasses.replace(
             s, cache=make(str(data.cache_dir), data.cache_limit_gb, s.url, s.storage_options, list(s.files))
         )
