@@ -229,13 +229,14 @@ def test_the_cache_is_filled_once_and_a_second_epoch_fetches_nothing(
 
 
 def test_a_cache_limit_keeps_the_folder_within_it_and_trains_the_same(
-    s3: dict[str, str], scalar_field: tuple[Path, str], tmp_path: Path
+    s3: dict[str, str], scalar_field: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     local, url = scalar_field
     sizes = sorted(p.stat().st_size for p in local.rglob("*.parquet"))
     limit = (sizes[-1] + sizes[-2]) / 2**30  # room for two files at most: every epoch evicts and fetches again
     args = _args(url, s3, f"data.cache_dir={tmp_path / 'cache'}", f"data.cache_limit_gb={limit}")
     train_in_process(args, tmp_path / "bounded")
+    assert "each epoch fetches again what it evicted (data.cache_limit_gb)" in capsys.readouterr().out  # named
     kept = [p.stat().st_size for p in (tmp_path / "cache").glob("*.parquet")]
     assert 0 < len(kept) <= 2 and sum(kept) <= limit * 2**30
     train_in_process(_args(str(local)), tmp_path / "local")

@@ -75,6 +75,17 @@ class FileCache:
             f"data.cache_dir={self.root}: {path} was evicted as soon as it arrived: raise data.cache_limit_gb"
         )
 
+    def describe(self) -> str:
+        """Where the files go, and whether the limit holds them all (else every epoch fetches
+        again what the limit evicted)."""
+        total = sum(f.size for f in self.files.values())
+        if self.limit_bytes is None or total <= self.limit_bytes:
+            return f"files cached in {self.root}"
+        return (
+            f"files cached in {self.root}, whose limit of {self.limit_bytes / 2**30:.3g} GiB is below the data's "
+            f"{total / 2**30:.3g} GiB: each epoch fetches again what it evicted (data.cache_limit_gb)"
+        )
+
     def prefetch(self, paths: Iterable[str]) -> None:
         """Starts filling the entries of these files (in this order) in background threads, as many
         as fit in half the limit: a reading names the files it will need, so that their latency

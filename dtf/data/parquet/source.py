@@ -137,7 +137,7 @@ class ParquetSource:
         return sum(self.piece_rows)
 
     def describe(self) -> str:
-        cached = f" (files cached in {self.cache.root})" if self.cache is not None else ""
+        cached = f" ({self.cache.describe()})" if self.cache is not None else ""
         return f"{self.num_rows} rows in {len(self.pieces)} row groups{cached}"
 
     def fingerprint(self) -> str:
