@@ -21,12 +21,19 @@ from dtf.memory import OptimizerFactory, StateShares
 from dtf.models import for_shards
 from dtf.models.blocks import find_blocks
 from dtf.strategy.base import AUTOCAST_DTYPES, Strategy, initialise
+from dtf.strategy.cpu_overlap import overlap_on_cpu
 
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
     cfg: FSDPStrategyConfig
     replicated_gradients = False  # each rank holds its shard of them
+
+    @property
+    def reduce_scatter_beside_backward(self) -> bool:
+        """On CPU, whether a unit's reduce-scatter may end after its post-backward: nothing reads
+        its output before the end of the backward (dtf.strategy.cpu_overlap)."""
+        return True
 
     def mesh(self, env: DistEnv) -> DeviceMesh:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
@@ -77,6 +84,8 @@ class FSDPStrategy(Strategy):
         for block in reversed(blocks):
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
         fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        if env.device.type == "cpu":  # FSDP2 overlaps by CUDA streams; on CPU, by gloo's threads
+            overlap_on_cpu(module, blocks, reduce_scatter=self.reduce_scatter_beside_backward)
         if any(p.is_meta for p in module.parameters()):
             self._materialise(module, env)
         return module

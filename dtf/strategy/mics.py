@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from dtf.config.schema import MicsStrategyConfig
 from dtf.dist.env import DistEnv
 from dtf.memory import OptimizerFactory
+from dtf.strategy.cpu_overlap import own_parameters
 from dtf.strategy.fsdp import FSDPStrategy
 
 # How far strategy.cross_group_dtype=bfloat16 may take a model from DDP's, as the relative L2
@@ -56,19 +57,17 @@ class MicsStrategy(FSDPStrategy):
         self._across = _AcrossGroups(getattr(torch, self.cfg.cross_group_dtype), mesh.get_group("replicate"))
         return mesh["shard"]
 
+    @property
+    def reduce_scatter_beside_backward(self) -> bool:
+        return self._across is None  # its all-reduce hook reads the reduce-scatter's output at once
+
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory, env: DistEnv) -> tuple[nn.Module, Any]:
         model, optimizer = super().setup(model, optimizer_factory, env)
         if self._across is not None:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
-                    module.set_all_reduce_hook(functools.partial(self._across, _own_parameters(module)))
+                    module.set_all_reduce_hook(functools.partial(self._across, own_parameters(module)))
         return model, optimizer
-
-
-def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
-    """The parameters FSDP2 shards as this unit's: its own, less those of the units inside it."""
-    inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in unit.parameters() if id(p) not in inner]
 
 
 class _AcrossGroups:

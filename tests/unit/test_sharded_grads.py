@@ -66,6 +66,49 @@ def test_hsdp_gradients_accumulated_over_two_backwards_without_no_sync_equal_ddp
     run_on_ranks(_grads_match_ddp, 4, "mics", 2)
 
 
+def _overlap_equals_blocking(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from dtf.strategy import cpu_overlap
+
+    env = DistEnv(rank, world, rank, torch.device("cpu"))
+    issued: list[int] = []
+    add = cpu_overlap._EndOfBackward.add
+    cpu_overlap._EndOfBackward.add = lambda self, *a: (issued.append(1), add(self, *a))[1]  # type: ignore[method-assign]
+    overlapped, _ = FSDPStrategy(OmegaConf.structured(FSDPStrategyConfig())).setup(_model(), torch.optim.SGD, env)
+    blocking = _model()  # what FSDPStrategy shards, without the overlap
+    for block in reversed(find_blocks(blocking, None)):
+        fully_shard(block)
+    fully_shard(blocking)
+    units = [m for m in overlapped.modules() if isinstance(m, FSDPModule)]
+    assert len(units) == 4 and all(g.unshard_async_op for u in units for g in u._get_fsdp_state()._fsdp_param_groups)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (overlapped, blocking)]
+    # Step 1: a backward on fresh gradients reduce-scatters beside the backward, once for each of
+    # the 3 units with parameters (the root has none of its own). Step 2: two backwards without
+    # no_sync; in the second FSDP2 adds to the first's shards, so it reduce-scatters at once.
+    for backwards, async_expected in ((1, [3]), (2, [3, 0])):
+        for opt in optimizers:
+            opt.zero_grad()
+        for expected in async_expected:
+            issued.clear()
+            for i, model in enumerate((overlapped, blocking)):
+                x = torch.randn(8, 2, generator=torch.Generator().manual_seed(rank + backwards))
+                nn.functional.mse_loss(model(x), x[:, :1]).backward()
+                if i == 0:
+                    assert len(issued) == expected
+        for p, q in zip(overlapped.parameters(), blocking.parameters(), strict=True):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())  # the same operations: bit for bit
+        for opt in optimizers:
+            opt.step()
+    for p, q in zip(overlapped.parameters(), blocking.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+    dist.barrier()
+
+
+def test_fsdp2_on_cpu_overlaps_its_collectives_and_gives_the_blocking_gradients_bit_for_bit() -> None:
+    run_on_ranks(_overlap_equals_blocking, 2)
+
+
 def test_default_blocks_of_the_built_in_models() -> None:
     from dtf.models.approximator import Approximator
     from dtf.models.mnist_cnn import MnistCNN
