@@ -24,9 +24,11 @@ Small tensors are latency-bound instead: a ring collective over n ranks takes n-
 all-gather) or 2 (n-1) (an all-reduce) one after the other, each waiting for the last, so
 dtf.strategy.choose charges every hop of a collective the step waits for the probe's latency per
 hop (the latency across for all hops of a ring that crosses hosts: it runs at the pace of its
-slowest). The gradients' all-reduces (DDP's buckets, mics's across the groups) run beside the
-backward, on gloo's threads as on CUDA streams, so their latencies overlap and only their bytes
-count; on NCCL FSDP's all-gathers (prefetched) and reduce-scatters do too.
+slowest). Collectives that run beside the compute, on gloo's threads as on CUDA streams, overlap
+their latencies, and only their bytes count: the gradients' all-reduces (DDP's buckets, mics's
+across the groups) and FSDP's all-gathers (prefetched) and reduce-scatters (dtf.strategy.cpu_overlap
+on CPU). Not mics's reduce-scatter inside its groups on gloo, where the all-reduce across the groups
+starts from its output at once (dtf.strategy.mics).
 """
 
 from __future__ import annotations
@@ -94,7 +96,6 @@ def per_step(
     world = layout.world
     rings = _Rings(layout)
     reduce_scatter = rings.all_reduce if backend == "gloo" else rings.all_gather  # a ring's bytes, see above
-    streams = backend == "nccl"  # FSDP's collectives overlap compute on their own streams
     everyone = [list(range(world))]
     if plan.strategy == "ddp":
         rings.all_reduce(everyone, grad_bytes, 1, overlapped=True)
@@ -103,16 +104,17 @@ def per_step(
         rings.all_gather(everyone, param_bytes, 1)
     elif plan.strategy in ("zero2", "zero3", "fsdp"):
         for _ in range(1 if plan.strategy == "zero2" else 2):
-            rings.all_gather(everyone, param_bytes, units, overlapped=streams)
-        reduce_scatter(everyone, grad_bytes, units, overlapped=streams)
+            rings.all_gather(everyone, param_bytes, units, overlapped=True)
+        reduce_scatter(everyone, grad_bytes, units, overlapped=True)
     elif plan.strategy == "mics":
         g = plan.group
         if world % g:
             raise ValueError(f"G={g} does not divide the world size {world}")
         partitions = [list(range(start, start + g)) for start in range(0, world, g)]
         for _ in range(2):
-            rings.all_gather(partitions, param_bytes, units, overlapped=streams)
-        reduce_scatter(partitions, grad_bytes, units, overlapped=streams)
+            rings.all_gather(partitions, param_bytes, units, overlapped=True)
+        # on gloo with more than one group, each unit's all-reduce across starts from its output
+        reduce_scatter(partitions, grad_bytes, units, overlapped=backend == "nccl" or g == world)
         replicas = [list(range(offset, world, g)) for offset in range(g)]  # the ranks holding one shard
         across = grad_bytes / g / (2 if plan.cross_group_dtype == "bfloat16" else 1)  # fp32 gradients, or bf16
         rings.all_reduce(replicas, across, units, overlapped=True)
