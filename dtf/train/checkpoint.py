@@ -374,12 +374,19 @@ def _marker_files(path: Where) -> dict[str, dict[str, Any]]:
 
 def is_complete(path: Where) -> tuple[bool, str]:
     """Cheap: the marker exists, every file it lists has its size, and the metadata is safe to read."""
-    if not (path / MARKER).is_file():
+    listed = path.sizes() if isinstance(path, RemotePath) else None  # one listing, not a request a file
+
+    def size(name: str) -> int | None:
+        if listed is not None:
+            return listed.get(name)
+        f = path / name
+        return f.stat().st_size if f.is_file() else None
+
+    if size(MARKER) is None:
         return False, "no commit marker (the save was interrupted)"
     try:
         for name, record in _marker_files(path).items():
-            f = path / name
-            if not f.is_file() or f.stat().st_size != record["size"]:
+            if size(name) != record["size"]:
                 return False, f"{name} is missing or truncated"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return False, f"unreadable commit marker ({e})"
@@ -480,9 +487,11 @@ def commit_files(request: CommitRequest) -> None:
     """The commit: the marker, listing every file with its record (anything no rank claimed, a
     file layout DCP may change, is checksummed here), then the pruning of older checkpoints."""
     files = dict(request.files)
-    for f in request.path.iterdir():
-        if f.is_file() and f.name not in files:
-            files[f.name] = file_record(f)
+    path = request.path
+    names = list(path.sizes()) if isinstance(path, RemotePath) else [f.name for f in path.iterdir() if f.is_file()]
+    for name in names:
+        if name not in files:
+            files[name] = file_record(path / name)
     write_marker(request.path, request.step, request.world_size, request.strategy, files)
     prune(request.path.parent, request.retention)
 

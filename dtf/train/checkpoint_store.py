@@ -119,6 +119,14 @@ class RemotePath:
             return
         yield from (self._at(p) for p in found)
 
+    def sizes(self) -> dict[str, int]:
+        """The files directly under this prefix, and their sizes: one listing."""
+        try:
+            found = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {f["name"].rsplit("/", 1)[-1]: int(f["size"]) for f in found if f["type"] == "file"}
+
     def glob(self, pattern: str) -> Iterator[RemotePath]:
         yield from (self._at(p) for p in self.fs.glob(f"{self.path}/{pattern}"))
 
