@@ -263,10 +263,11 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> W
         path = location(text, ck.storage_options)
         if not isinstance(path, RemotePath):
             return path  # rank 0 verified it (local files: it reads them from its page cache)
-        problems = [damaged(path, env.rank, env.world_size)]
+        mine = _share_damaged(path, env)
+        problems = [mine]
         if env.world_size > 1:
             problems = [""] * env.world_size
-            torch.distributed.all_gather_object(problems, damaged(path, env.rank, env.world_size))
+            torch.distributed.all_gather_object(problems, mine)
         problem = next((p for p in problems if p), "")
         if not problem:
             return path
@@ -276,6 +277,18 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> W
             before = "resuming from the one before it" if i + 1 < len(tries) else "starting fresh"
             print(f"dtf: warning: skipping checkpoint {path}: {problem}; {before}", file=sys.stderr, flush=True)
     return None
+
+
+def _share_damaged(path: RemotePath, env: dist_env.DistEnv) -> str:
+    """This rank's share of the checkpoint's checksums (checkpoint.damaged); a store that fails
+    while it reads them (not the checkpoint's fault) ends the run in one line."""
+    try:
+        return damaged(path, env.rank, env.world_size)
+    except Exception as e:
+        line = remote.diagnose(e, str(path), path.key, "checking the checkpoint's checksums")
+        if line is None:
+            raise
+        raise UserError(line) from None
 
 
 def setup_data(run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int | None) -> DataSplits:
