@@ -84,10 +84,17 @@ def test_keep_last_leaves_exactly_its_checkpoints_and_a_resume_from_2_fsdp_ranks
     url = f"s3://{bucket}/fsdp2"
     common = ["data.dataset.num_points=1200", "data.dataset.num_test=200", "checkpoint.every_n_steps=10"]
     saved = [*common, "strategy=fsdp", "trainer.max_steps=45", "checkpoint.keep_last=2", f"checkpoint.dir={url}"]
-    train_on_ranks(2, [("fsdp2", saved)], tmp_path)
+    train_on_ranks(2, [("fsdp2", [*saved, "checkpoint.export_hf=true"])], tmp_path)
     files = {".metadata", "__0_0.distcp", "__1_0.distcp", "rank_0.pt", "rank_1.pt", "trainer.pt", "COMMITTED.json"}
-    expected = [f"step_{s:09d}/{f}" for s in (40, 45) for f in sorted(files)] + ["model.pt", "summary.json"]
+    expected = [f"step_{s:09d}/{f}" for s in (40, 45) for f in sorted(files)]
+    expected += ["model.pt", "summary.json", "hf_export/model.safetensors"]  # the run's results beside them
     assert _objects(f"{bucket}/fsdp2") == sorted(expected)  # no older step, no temporary .metadata.tmp
+    # the export read the final checkpoint from S3: the weights model.pt holds
+    from safetensors.torch import load
+
+    exported = load(_fs().cat_file(f"{bucket}/fsdp2/hf_export/model.safetensors"))
+    whole = _weights(tmp_path / "fsdp2")
+    assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
     marker = json.loads(_fs().cat_file(f"{bucket}/fsdp2/step_000000045/COMMITTED.json"))
     assert marker["world_size"] == 2 and set(marker["files"]) == files - {"COMMITTED.json"}
 
