@@ -114,6 +114,25 @@ def test_keep_last_leaves_exactly_its_checkpoints_and_a_resume_from_2_fsdp_ranks
     assert from_s3["train_loss_per_epoch"][0] == fsdp["train_loss_per_epoch"][0]
 
 
+def test_keep_best_keeps_the_best_evaluations_checkpoint_and_lists_it_in_best_json_there(
+    bucket: str, tmp_path: Path
+) -> None:
+    """Three epochs on one rank, evaluated every half epoch on held-out samples: the newest checkpoint
+    and the best evaluation's stay (the best step read from summary.json's evaluations)."""
+    url = f"s3://{bucket}/best"
+    args = ["data.dataset.num_points=2400", "data.dataset.num_test=400", "data.val_fraction=0.2"]
+    args += ["trainer.max_epochs=3", "trainer.eval_every_n_epochs=0.5", "checkpoint.every_n_steps=null"]
+    args += ["checkpoint.keep_last=1", "checkpoint.keep_best=1", f"checkpoint.dir={url}"]
+    s = train_in_process(args, tmp_path / "best")
+    losses = {e["step"]: e["val/loss"] for e in s["evaluations"]}
+    best = min(losses, key=lambda k: losses[k])
+    steps = sorted({p.split("/")[0] for p in _objects(f"{bucket}/best") if p.startswith("step_")})
+    assert steps == sorted({f"step_{best:09d}", f"step_{s['global_step']:09d}"}) and _steps(f"{bucket}/best")
+    listed = json.loads(_fs().cat_file(f"{bucket}/best/best.json"))
+    assert listed["best"] == [{"step": best, "val/loss": losses[best], "path": f"step_{best:09d}"}]
+    assert _fs().cat_file(f"{bucket}/best/best_model.pt") == (tmp_path / "best" / "best_model.pt").read_bytes()
+
+
 def test_a_damaged_object_is_found_by_the_ranks_checksums_and_never_loaded(bucket: str, tmp_path: Path) -> None:
     url = f"s3://{bucket}/damaged"
     args = ["data.dataset.num_points=640", "data.dataset.num_test=64", "checkpoint.every_n_steps=10"]
