@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
+from urllib.parse import urlparse
 
 from dtf import remote
 from dtf.errors import UserError
@@ -156,14 +157,18 @@ Where = Path | RemotePath
 
 
 def location(text: str | Path, storage_options: Mapping[str, Any] | None = None, key: str = KEY) -> Where:
-    """The place a setting (key) names: a RemotePath for a URL, else a Path."""
+    """The place a setting (key) names: a RemotePath for a URL, else a Path (file:// too)."""
     text = str(text)
-    return RemotePath(text, storage_options, key) if remote.is_remote(text) else Path(text)
+    return RemotePath(text, storage_options, key) if remote.is_remote(text) else _local(text)
 
 
 def checkpoint_root(run_dir: Path, directory: str, storage_options: Mapping[str, Any] | None = None) -> Where:
-    """checkpoint.dir: a folder of the run dir (or any path), or a URL."""
-    return RemotePath(directory, storage_options) if remote.is_remote(directory) else run_dir / directory
+    """checkpoint.dir: a folder of the run dir (or any path, file:// too), or a URL."""
+    return RemotePath(directory, storage_options) if remote.is_remote(directory) else run_dir / _local(directory)
+
+
+def _local(text: str) -> Path:
+    return Path(urlparse(text).path) if urlparse(text).scheme in ("file", "local") else Path(text)
 
 
 def check_store(root: RemotePath) -> None:

@@ -458,3 +458,21 @@ def test_on_an_object_store_the_records_equal_the_objects_read_back_and_nothing_
         assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())  # type: ignore[index]
     finally:
         fsspec.filesystem("memory").rm(f"/dtf-test-{os.getpid()}", recursive=True)
+
+
+def test_checkpoint_dir_and_resume_name_a_folder_or_a_url() -> None:
+    from dtf.train.checkpoint_store import RemotePath, checkpoint_root, location
+
+    run_dir = Path("/runs/a")
+    assert checkpoint_root(run_dir, "checkpoints") == run_dir / "checkpoints"
+    assert checkpoint_root(run_dir, "/shared/ckpt") == Path("/shared/ckpt")
+    assert checkpoint_root(run_dir, "file:///shared/ckpt") == Path("/shared/ckpt")
+    assert location("file:///shared/ckpt/step_000000010") == Path("/shared/ckpt/step_000000010")
+    root = checkpoint_root(run_dir, "s3://bucket/run1/", {"key": "k"})
+    assert isinstance(root, RemotePath) and str(root) == "s3://bucket/run1"
+    step = root / "step_000000010"
+    # what a writer process gets in its requests: the URL, the options and the setting that named it
+    back = pickle.loads(pickle.dumps(step))
+    assert back == step and back.storage_options == {"key": "k"} and back.key == "checkpoint.dir"
+    assert (step.name, step.parent, step.with_name("best.json")) == ("step_000000010", root, root / "best.json")
+    assert location("s3://bucket/run1/step_000000010", None, "checkpoint.resume").key == "checkpoint.resume"
