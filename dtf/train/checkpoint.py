@@ -331,8 +331,10 @@ def _write(path: Where, content: str | bytes) -> None:
 
 
 def _remove_tree(path: Where) -> None:
+    """A pruned checkpoint removed, as far as it can be: one left behind is pruned at the next commit."""
     if isinstance(path, RemotePath):
-        path.rmtree()
+        with contextlib.suppress(Exception):  # as shutil's ignore_errors: a store that fails here fails the next save
+            path.rmtree()
     else:
         shutil.rmtree(path, ignore_errors=True)
 
