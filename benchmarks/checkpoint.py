@@ -26,20 +26,34 @@ each of 2 DDP ranks, which copy at the same time), and a plain torch.save of it 
 a synchronous one writes). It also times the integrity checksums (CRC32 of every file: taken
 at each save from the bytes written, verified before a resume by reading the files) on one of
 the checkpoints written.
+
+    .venv/bin/python benchmarks/checkpoint.py --resume [--repeats 3] [--width 512] [--worlds 1 2 4 8]
+
+--resume: checkpoints on an S3 endpoint (AWS_ENDPOINT_URL's, else moto's server on 127.0.0.1,
+started here with scripts/local-s3.sh). The resume of one checkpoint (deep_mlp, FSDP, Adam,
+saved by max(--worlds) ranks) at each world size, from local disk and from S3: summary.json's
+resume_s (from choosing the checkpoint, its checksums checked by the ranks where they check them,
+to its state loaded on every rank; not the start of the processes), medians, and each world
+size's time over one rank's. Then the time a save blocks the loop with checkpoint.dir on S3,
+synchronous against asynchronous (deep_mlp, a checkpoint every 200 of 1200 steps, on --nproc
+ranks: 1 leaves a core to the writer and the server), and their ratio. Targets: async/sync <= 0.05;
+resume at 8 ranks <= 1.2 x at 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from common import dtf_summary
+from common import REPO, dtf_summary
 
 COMMON = [
     "optimizer=adam",
@@ -59,6 +73,14 @@ CASES = {
     "default": ["trainer.max_steps=300", "checkpoint.every_n_steps=50"],
 }
 COST_BUDGET = 0.02  # of the step time
+# --resume's saves to S3: an upload takes the writer CPU (HTTP, the server's), which it gets only
+# where the ranks leave a core idle; saves far enough apart for it to finish before the next one.
+S3_SAVES = [
+    *CASES["deep_mlp"],
+    "data.dataset.num_points=8000",
+    "trainer.max_steps=1200",
+    "checkpoint.every_n_steps=200",
+]
 
 
 def run(run_dir: Path, case: list[str], async_save: bool) -> dict:
@@ -73,7 +95,12 @@ def main() -> None:
     p.add_argument(
         "--nproc", type=int, default=2, help="ranks (2 fill this machine's cores; 1 leaves one to the writer)"
     )
+    p.add_argument("--resume", action="store_true", help="resume and save times with checkpoints on S3")
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="--resume's world sizes")
     a = p.parse_args()
+    if a.resume:
+        resume_main(a.repeats, a.width, a.worlds, a.nproc)
+        return
     cases = {
         name: [*CASES[name], f"launcher.nproc={a.nproc}", *([f"model.width={a.width}"] if name == "deep_mlp" else [])]
         for name in a.cases
@@ -181,6 +208,109 @@ def checksum_cost(root: Path) -> tuple[float, float, float]:
     files = [f for f in path.iterdir() if f.is_file()]
     size = sum(f.stat().st_size for f in files) / 2**20
     return size, _median_ms(lambda: [file_crc32(f) for f in files]), _median_ms(lambda: verify(path))
+
+
+@contextlib.contextmanager
+def s3_endpoint(tmp: Path) -> Iterator[None]:
+    """The S3 endpoint the environment names (AWS_ENDPOINT_URL), else moto's server on 127.0.0.1
+    for the block (scripts/local-s3.sh), its endpoint and key in this process's environment."""
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        yield
+        return
+    script = REPO / "scripts" / "local-s3.sh"
+    env = {**os.environ, "DTF_S3_DIR": str(tmp / "s3-server")}
+    started = subprocess.run([script, "start"], env=env, check=True, capture_output=True, text=True).stdout
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in started.splitlines() if "=" in line)
+    os.environ.update(exports)
+    try:
+        yield
+    finally:
+        subprocess.run([script, "stop"], env=env, check=False, capture_output=True)
+        for key in exports:
+            os.environ.pop(key, None)
+
+
+def resume_main(repeats: int, width: int, worlds: list[int], nproc: int) -> None:
+    import s3fs
+
+    print(f"load average at the start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores", flush=True)
+    case = [
+        *COMMON,
+        "model=deep_mlp",
+        f"model.width={width}",
+        "strategy=fsdp",
+        "data.dataset.num_points=4000",
+        "data.dataset.num_test=200",
+        "checkpoint.every_n_steps=null",
+    ]
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        with s3_endpoint(tmp):
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            bucket = f"dtf-bench-{os.getpid()}"
+            fs.mkdir(bucket)
+            # One checkpoint, saved on disk by the most ranks, and the same files uploaded.
+            saved = dtf_summary(
+                tmp / "saved",
+                [*case, f"launcher.nproc={max(worlds)}", "trainer.max_steps=10", "checkpoint.at_end=true"],
+            )
+            step = saved["global_step"]
+            local = tmp / "saved" / "checkpoints" / f"step_{step:09d}"
+            size_mb = sum(f.stat().st_size for f in local.iterdir()) / 2**20
+            fs.put(f"{local}/", f"{bucket}/saved/{local.name}/", recursive=True)
+            sources = {"local": str(local), "s3": f"s3://{bucket}/saved/{local.name}"}
+            times: dict[tuple[str, int], list[float]] = {(s, w): [] for s in sources for w in worlds}
+            for i in range(repeats):
+                for world in worlds:
+                    for name, path in sources.items():
+                        resumed = dtf_summary(
+                            tmp / f"resume-{name}-{world}-{i}",
+                            [
+                                *case,
+                                f"launcher.nproc={world}",
+                                f"trainer.max_steps={step + 2}",
+                                "checkpoint.at_end=false",
+                                f"checkpoint.resume={path}",
+                            ],
+                        )
+                        times[name, world].append(resumed["resume_s"])
+                        print(
+                            f"repeat {i} resume from {name} on {world} rank(s): {resumed['resume_s']:.3f} s", flush=True
+                        )
+            # Saves with checkpoint.dir on S3: how long each blocks the loop, synchronous and asynchronous.
+            blocked: dict[bool, list[float]] = {False: [], True: []}
+            deep = [*S3_SAVES, f"model.width={width}", f"launcher.nproc={nproc}"]
+            for i in range(repeats):
+                for async_save in (False, True):
+                    s = run(
+                        tmp / f"save-{i}-{async_save}",
+                        [*deep, f"checkpoint.dir=s3://{bucket}/save-{i}-{async_save}"],
+                        async_save,
+                    )
+                    blocked[async_save].append(s["checkpoint_blocked_s"])
+                    print(
+                        f"repeat {i} save to s3 async={async_save}: blocked {s['checkpoint_blocked_s'] * 1e3:.1f} ms "
+                        f"per save, {s['checkpoints_saved']} saves",
+                        flush=True,
+                    )
+            fs.rm(bucket, recursive=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)\n")
+    print(
+        f"resume of one checkpoint ({size_mb:.0f} MB: deep_mlp width {width}, FSDP, Adam; saved by {max(worlds)} ranks)"
+    )
+    for name in sources:
+        one = statistics.median(times[name, worlds[0]])
+        for world in worlds:
+            median = statistics.median(times[name, world])
+            print(f"  from {name} on {world} rank(s): median {median:.3f} s ({median / one:.2f} x {worlds[0]} rank(s))")
+    for world in worlds:
+        s3_s, local_s = (statistics.median(times[n, world]) for n in ("s3", "local"))
+        print(f"  on {world} rank(s): s3/local {s3_s / local_s:.2f}")
+    sync_ms, async_ms = (statistics.median(blocked[m]) * 1e3 for m in (False, True))
+    print(
+        f"saves to s3 (deep_mlp width {width}, {nproc} ranks of DDP): median time the loop is blocked per save: sync "
+        f"{sync_ms:.1f} ms, async {async_ms:.1f} ms, async/sync {async_ms / sync_ms:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dtf import remote
 from dtf.config.keys import SECTIONS, section_key_hint, unknown_top_level_line
 from dtf.config.schema import (
     AutoStrategyConfig,
@@ -220,14 +221,15 @@ def check_canonical_partitions(run: RunConfig, run_dir: Path | None) -> None:
 def _recorded_partitions(c: CheckpointConfig, run_dir: Path | None) -> int | None:
     """The canonical partitions recorded in the checkpoint this run will resume from, if known."""
     from dtf.train.checkpoint import recorded_position, scan
+    from dtf.train.checkpoint_store import checkpoint_root, location
 
     if c.resume == "never":
         return None
     if c.resume == "auto":
-        found = scan(run_dir / c.dir)[0] if run_dir is not None else []
+        found = scan(checkpoint_root(run_dir, c.dir, c.storage_options))[0] if run_dir is not None else []
         path = found[0] if found else None
     else:
-        path = Path(c.resume)
+        path = location(c.resume, c.storage_options, "checkpoint.resume")
     if path is None:
         return None
     try:
@@ -313,10 +315,16 @@ def _check_stop_signal(run: RunConfig) -> None:
 
 
 def _check_resume(c: CheckpointConfig) -> None:
+    if remote.is_remote(c.dir):  # a store that cannot be listed, or that holds what is not dtf's, is refused
+        from dtf.train.checkpoint_store import RemotePath, check_store
+
+        check_store(RemotePath(c.dir, c.storage_options))
     if c.resume not in ("auto", "never"):
         from dtf.train.checkpoint import resolve_resume  # torch.distributed.checkpoint: only when needed
+        from dtf.train.checkpoint_store import location
 
-        resolve_resume(c.resume, Path(c.resume))  # a named checkpoint must exist and be complete
+        # a named checkpoint must exist and be complete
+        resolve_resume(c.resume, location(c.resume, c.storage_options, "checkpoint.resume"), c.storage_options)
 
 
 def _check_gpus(run: RunConfig) -> None:

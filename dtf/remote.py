@@ -64,19 +64,26 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None, key: str) ->
                 f"{key}={url}: fsspec knows no scheme {scheme}:// ({first_line(e)}): check the URL"
             ) from None
         raise UserError(
-            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_CHECK}"
+            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_check(key)}"
         ) from None
     except TypeError as e:  # a keyword the file system does not take
         raise UserError(
-            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_CHECK}"
+            f"{key}={url}: its storage options do not fit {scheme}:// ({first_line(e)}): {_check(key)}"
         ) from None
 
 
-_CHECK = "check the storage options given with it (data.storage_options)"
+def _check(key: str) -> str:
+    return f"check the storage options given with it ({key.split('.')[0]}.storage_options)"
 
 
 def explain(error: BaseException, url: str, key: str, doing: str) -> str:
     """One line for a failure of remote storage: the URL, what failed, why, and the fix."""
+    return diagnose(error, url, key, doing) or f"{key}={url}: {doing} failed ({first_line(error)})"
+
+
+def diagnose(error: BaseException, url: str, key: str, doing: str) -> str | None:
+    """explain's line where the failure is one a user can mend (an endpoint that does not answer,
+    refused credentials, a bucket or path that is not there); None for anything else."""
     what = first_line(error)
     text = f"{type(error).__name__} {error}".lower()
     if isinstance(error, UserError):
@@ -99,7 +106,7 @@ def explain(error: BaseException, url: str, key: str, doing: str) -> str:
         return f"{key}={url}: access was refused while {doing} ({what}): check the credentials ({which})"
     if isinstance(error, FileNotFoundError) or "nosuchbucket" in text or "does not exist" in text:
         return f"{key}={url} does not exist ({what}): check the bucket and the path"
-    return f"{key}={url}: {doing} failed ({what})"
+    return None
 
 
 def first_line(error: BaseException) -> str:

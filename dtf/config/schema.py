@@ -364,7 +364,11 @@ class CheckpointConfig:
     # auto: continue from the newest complete checkpoint in the run dir, if any;
     # never: start fresh; or the path of a step_* checkpoint folder (of any run).
     resume: str = "auto"
+    # A folder of the run dir, a path, or a URL fsspec resolves (s3://bucket/run1: its checkpoints,
+    # and copies of model.pt, summary.json and the exports, go there; the run dir stays local).
     dir: str = "checkpoints"
+    # fsspec options for a URL in dir or resume (endpoint, credentials, ...), as data.storage_options.
+    storage_options: dict[str, Any] = field(default_factory=dict)
     # Write in a background thread (dcp.async_save): training blocks only while the state is copied.
     async_save: bool = False
     # Signals that make all ranks agree to stop at the next step boundary, save one checkpoint and
@@ -392,13 +396,6 @@ class CheckpointConfig:
             "checkpoint.every_n_steps",
             self.every_n_steps,
             "use a positive number of optimizer steps, or null to save only at the end",
-        )
-        require(
-            "://" not in self.dir,
-            "checkpoint.dir",
-            self.dir,
-            "checkpoints are written to a path (the run dir's folder, or a shared file system's); URLs such as "
-            "s3:// are not written to yet: give a path, e.g. a bucket mounted with s3fs-fuse or gcsfuse",
         )
         require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         require(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "use 0 (none) or more checkpoints")

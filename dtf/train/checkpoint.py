@@ -2,7 +2,8 @@
 shards) plus one small file per rank, made valid only by a commit marker written last,
 atomically (write, fsync, rename), once every rank has finished writing.
 
-Layout: <run_dir>/checkpoints/step_<global step>/
+Layout: <run_dir>/checkpoints/step_<global step>/ (checkpoint.dir: any folder, or a URL such as
+s3://bucket/run1, where the same files are objects: dtf.train.checkpoint_store)
     .metadata, __<rank>_0.distcp   DCP: model and optimizer state (resharded on load)
     rank_<r>.pt                    this rank's RNG states (dtf.train.rng; loaded with weights_only)
     trainer.pt                     loop position, epoch metrics, LR schedule (rank 0)
@@ -27,20 +28,24 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFiles
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from dtf import remote
 from dtf.config.schema import CheckpointConfig
 from dtf.dist.env import DistEnv
 from dtf.errors import EveryRankUserError, UserError
 from dtf.files import out_of_space, write_atomically, write_json, write_refused
+from dtf.train.checkpoint_store import RemotePath, Where, location
 from dtf.train.rng import rng_state
 from dtf.train.state import TrainState
 
@@ -51,6 +56,7 @@ MARKER = "COMMITTED.json"
 TRAINER_FILE = "trainer.pt"
 _PREFIX = "step_"
 BEST_FILE = "best.json"  # checkpoint.keep_best: the best checkpoints and their objective
+W = TypeVar("W", bound=Path | RemotePath)  # where checkpoints are: listed as what the root is
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -111,7 +117,7 @@ class _SafeReader(FileSystemReader):
     """DCP's file reader, with the metadata read by _MetadataUnpickler instead of pickle.load."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{type(metadata).__name__} is not a checkpoint's metadata")
@@ -119,6 +125,18 @@ class _SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+class _SafeRemoteReader(FsspecReader, _SafeReader):
+    """DCP's fsspec reader (each rank reads the byte ranges of the objects it needs), with
+    _SafeReader's metadata."""
+
+
+def reader(path: Where) -> FileSystemReader:
+    """DCP's reader of the checkpoint at path (a folder, or a URL), reading nothing that can run code."""
+    if isinstance(path, RemotePath):
+        return _SafeRemoteReader(path.url, **path.options)
+    return _SafeReader(str(path))
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -141,15 +159,15 @@ RESUME_ADVICE = (
 )
 
 
-def load_app_state(path: Path, app_state: dict[str, Any], advice: str = RESUME_ADVICE) -> None:
+def load_app_state(path: Where, app_state: dict[str, Any], advice: str = RESUME_ADVICE) -> None:
     """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code.
     A checkpoint of another model (or optimizer) is refused in one line before anything is read,
     ending with advice."""
-    misfit = _misfit(_SafeReader(str(path)).read_metadata(), app_state)
+    misfit = _misfit(reader(path).read_metadata(), app_state)
     if misfit:
         raise EveryRankUserError(f"checkpoint {path} does not fit this run: {misfit}; {advice}")
     try:
-        dcp.load(app_state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
+        dcp.load(app_state, storage_reader=reader(path), planner=_SafePlanner())
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, pickle.UnpicklingError)]
         if not refused:
@@ -182,25 +200,25 @@ def _misfit(metadata: Metadata, app_state: dict[str, Any]) -> str | None:
     return f"{extra[0]} is in it and not in this model" if extra else None
 
 
-def _metadata_problem(path: Path) -> str:
+def _metadata_problem(path: Where) -> str:
     try:
-        with open(path / ".metadata", "rb") as f:
+        with (path / ".metadata").open("rb") as f:
             _MetadataUnpickler(f).load()
     except Exception as e:  # any failure to read it safely makes the checkpoint unusable
         return f"unsafe or corrupt .metadata ({type(e).__name__}: {e})"
     return ""
 
 
-def file_crc32(path: Path) -> str:
+def file_crc32(path: Where) -> str:
     """CRC32 of a file (zlib's, about 6 GB/s here): catches bytes changed after the commit."""
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
 
 
-def file_record(path: Path) -> dict[str, Any]:
+def file_record(path: Where) -> dict[str, Any]:
     return {"size": path.stat().st_size, "crc32": file_crc32(path)}
 
 
@@ -238,6 +256,38 @@ class ChecksummedFiles(FileSystem):
             self.records[Path(new_path).name] = record
 
 
+class ChecksummedObjects(FsspecFiles):
+    """ChecksummedFiles on an fsspec file system (an object store): each file's record from the
+    bytes DCP writes, which are the object's bytes (one upload when the stream closes; no file
+    descriptor anything else could write through)."""
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__()
+        self.fs = fs
+        self.records: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _ChecksummedStream(stream)
+            yield cast(io.IOBase, counted)
+        self.records[os.fspath(path).rsplit("/", 1)[-1]] = bytes_record(counted.size, counted.crc)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        """Nothing: a prefix needs no making (and s3fs's makedirs would create a missing bucket)."""
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        # DCP's .metadata is written under a temporary name and renamed: a copy and a delete on an
+        # object store, not atomic, which the commit marker (written after it) makes harmless.
+        super().rename(path, new_path)
+        record = self.records.pop(os.fspath(path).rsplit("/", 1)[-1], None)
+        if record is not None:
+            self.records[os.fspath(new_path).rsplit("/", 1)[-1]] = record
+
+
 class _ChecksummedStream:
     """A file opened for writing, counting and checksumming what is written through it."""
 
@@ -257,11 +307,40 @@ class _ChecksummedStream:
         return getattr(self._raw, name)
 
 
-def _storage_writer(path: Path, files: ChecksummedFiles) -> FileSystemWriter:
-    """What dcp.save(checkpoint_id=path) would write with (its defaults), on files."""
+def _storage_writer(path: Where) -> tuple[FileSystemWriter, ChecksummedFiles | ChecksummedObjects]:
+    """What dcp.save(checkpoint_id=path) would write with (its defaults), on files that take their
+    records. On an object store, without fsync: an object is stored once its upload returns (and
+    DCP's fallback where a stream has no file descriptor, os.sync(), would flush the whole host)."""
+    if isinstance(path, RemotePath):
+        remote_writer = FsspecWriter(path.url, sync_files=False, **path.options)
+        objects = ChecksummedObjects(path.fs)
+        remote_writer.fs = objects  # type: ignore[assignment]  # DCP's own attribute, typed for its local files
+        return remote_writer, objects
     writer = FileSystemWriter(str(path))
+    files = ChecksummedFiles()
     writer.fs = files
-    return writer
+    return writer, files
+
+
+def _write(path: Where, content: str | bytes) -> None:
+    """A small file written whole: atomically and durably on a disk, one upload on an object store."""
+    if isinstance(path, RemotePath):
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    else:
+        write_atomically(path, content, durable=True)
+
+
+def _remove_tree(path: Where) -> None:
+    """A pruned checkpoint removed, as far as it can be: one left behind is pruned at the next commit."""
+    if isinstance(path, RemotePath):
+        with contextlib.suppress(Exception):  # as shutil's ignore_errors: a store that fails here fails the next save
+            path.rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _torch_load(path: Where) -> Any:
+    return torch.load(io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path, weights_only=True)
 
 
 @dataclass(frozen=True)
@@ -274,34 +353,42 @@ class Marker:
     files: dict[str, dict[str, Any]]  # name -> {"size": bytes, "crc32": hex}
 
 
-def write_marker(path: Path, step: int, world_size: int, strategy: str, files: dict[str, dict[str, Any]]) -> None:
-    """The commit: written last and atomically, once every file it lists is on disk."""
+def write_marker(path: Where, step: int, world_size: int, strategy: str, files: dict[str, dict[str, Any]]) -> None:
+    """The commit: written last and atomically (one PUT on an object store), once every file it
+    lists is on disk."""
     meta = {"step": step, "world_size": world_size, "strategy": strategy, "files": dict(sorted(files.items()))}
-    write_atomically(path / MARKER, json.dumps(meta, indent=1), durable=True)
+    _write(path / MARKER, json.dumps(meta, indent=1))
 
 
-def read_marker(path: Path) -> Marker:
+def read_marker(path: Where) -> Marker:
     """The commit marker of the checkpoint at path (OSError, ValueError, KeyError or TypeError when
     it is missing or malformed)."""
     meta = json.loads((path / MARKER).read_text())
     return Marker(int(meta["step"]), int(meta["world_size"]), str(meta["strategy"]), meta["files"])
 
 
-def _marker_files(path: Path) -> dict[str, dict[str, Any]]:
+def _marker_files(path: Where) -> dict[str, dict[str, Any]]:
     files = read_marker(path).files
     if not isinstance(files, dict) or not all(isinstance(r, dict) and "crc32" in r for r in files.values()):
         raise ValueError("it lists no checksums (written by an older dtf)")
     return files
 
 
-def is_complete(path: Path) -> tuple[bool, str]:
+def is_complete(path: Where) -> tuple[bool, str]:
     """Cheap: the marker exists, every file it lists has its size, and the metadata is safe to read."""
-    if not (path / MARKER).is_file():
+    listed = path.sizes() if isinstance(path, RemotePath) else None  # one listing, not a request a file
+
+    def size(name: str) -> int | None:
+        if listed is not None:
+            return listed.get(name)
+        f = path / name
+        return f.stat().st_size if f.is_file() else None
+
+    if size(MARKER) is None:
         return False, "no commit marker (the save was interrupted)"
     try:
         for name, record in _marker_files(path).items():
-            f = path / name
-            if not f.is_file() or f.stat().st_size != record["size"]:
+            if size(name) != record["size"]:
                 return False, f"{name} is missing or truncated"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return False, f"unreadable commit marker ({e})"
@@ -309,23 +396,32 @@ def is_complete(path: Path) -> tuple[bool, str]:
     return (False, problem) if problem else (True, "")
 
 
-def verify(path: Path) -> tuple[bool, str]:
+def verify(path: Where) -> tuple[bool, str]:
     """is_complete, and every file's CRC32 as the marker recorded it (reads the whole checkpoint)."""
     ok, why = is_complete(path)
     if not ok:
         return ok, why
-    for name, record in _marker_files(path).items():
+    problem = damaged(path, 0, 1)
+    return (False, problem) if problem else (True, "")
+
+
+def damaged(path: Where, rank: int, world_size: int) -> str:
+    """This rank's share of verify's checksums (every world_size-th file of the marker's list, from
+    the rank-th): what is wrong with the first file of it that differs from its record, or ""."""
+    for name, record in sorted(_marker_files(path).items())[rank::world_size]:
         if file_crc32(path / name) != record["crc32"]:
-            return False, f"{name} is damaged (its checksum differs from the one recorded at the commit)"
-    return True, ""
+            return f"{name} is damaged (its checksum differs from the one recorded at the commit)"
+    return ""
 
 
-def scan(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+def scan(root: W) -> tuple[list[W], list[tuple[W, str]]]:
     """(complete checkpoints under root, newest first; incomplete ones with the reason)."""
     if not root.is_dir():
         return [], []
-    found, skipped = [], []
-    for path in sorted(root.glob(f"{_PREFIX}*"), key=lambda p: p.name, reverse=True):
+    found: list[W] = []
+    skipped: list[tuple[W, str]] = []
+    listed = cast(list[W], list(root.glob(f"{_PREFIX}*")))
+    for path in sorted(listed, key=lambda p: p.name, reverse=True):
         if not path.name[len(_PREFIX) :].isdigit():
             continue
         ok, why = is_complete(path)
@@ -340,7 +436,7 @@ def _warn(text: str) -> None:
     print(f"dtf: warning: {text}", file=sys.stderr, flush=True)
 
 
-def committed(root: Path) -> list[Path]:
+def committed(root: W) -> list[W]:
     """Complete checkpoints under root, newest first."""
     return scan(root)[0]
 
@@ -350,7 +446,7 @@ class SaveRequest:
     """One rank's part of a checkpoint, as write_files writes it (in the rank, or in its writer
     process: dtf.train.checkpoint_writer, which replaces state by its copy in shared memory)."""
 
-    path: Path
+    path: Where
     state: dict[str, Any]  # DCP's: model and optimizer
     files: dict[str, bytes]  # dtf's own small files (rank_<r>.pt; trainer.pt on rank 0), serialized
     planner: SavePlanner | None = None  # DCP's default unless the writer process sets its own
@@ -377,7 +473,7 @@ class CommitRequest:
     """A checkpoint whose files every rank has written: its marker is written (and older
     checkpoints pruned) by commit_files, on rank 0 or in its writer process."""
 
-    path: Path
+    path: Where
     step: int
     world_size: int
     strategy: str
@@ -393,14 +489,16 @@ def commit_files(request: CommitRequest) -> None:
     """The commit: the marker, listing every file with its record (anything no rank claimed, a
     file layout DCP may change, is checksummed here), then the pruning of older checkpoints."""
     files = dict(request.files)
-    for f in request.path.iterdir():
-        if f.is_file() and f.name not in files:
-            files[f.name] = file_record(f)
+    path = request.path
+    names = list(path.sizes()) if isinstance(path, RemotePath) else [f.name for f in path.iterdir() if f.is_file()]
+    for name in names:
+        if name not in files:
+            files[name] = file_record(path / name)
     write_marker(request.path, request.step, request.world_size, request.strategy, files)
     prune(request.path.parent, request.retention)
 
 
-def prune(root: Path, retention: Retention) -> None:
+def prune(root: Where, retention: Retention) -> None:
     """Delete all but the newest keep_last complete checkpoints and the keep_best best ones
     (incomplete ones too: never loadable); best.json lists the best that exist."""
     complete = committed(root)
@@ -409,10 +507,14 @@ def prune(root: Path, retention: Retention) -> None:
     keep.update(root / f"{_PREFIX}{step:09d}" for step, _ in best)
     for path in root.glob(f"{_PREFIX}*"):
         if path not in keep and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path)
     if retention.keep_best:
         listed = [{"step": step, retention.objective: value, "path": f"{_PREFIX}{step:09d}"} for step, value in best]
-        write_json(root / BEST_FILE, {"objective": retention.objective, "best": listed})
+        best_json = {"objective": retention.objective, "best": listed}
+        if isinstance(root, RemotePath):
+            (root / BEST_FILE).write_bytes((json.dumps(best_json, indent=2) + "\n").encode())  # as write_json
+        else:
+            write_json(root / BEST_FILE, best_json)
 
 
 def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
@@ -422,17 +524,19 @@ def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, d
     stale, uncommitted attempt at the same step is removed first, e.g. one before a crash)."""
     path = request.path
     if rank == 0:
-        if path.exists():
+        if isinstance(path, RemotePath):
+            path.rmtree()
+        elif path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
     if world_size > 1:
         dist.barrier()
     records = {}
     for name, data in request.files.items():
-        write_atomically(path / name, data, durable=True)
+        _write(path / name, data)
         records[name] = bytes_record(len(data), zlib.crc32(data))
-    files = ChecksummedFiles()
-    dcp.save(request.state, storage_writer=_storage_writer(path, files), planner=request.planner)
+    writer, files = _storage_writer(path)
+    dcp.save(request.state, storage_writer=writer, planner=request.planner)
     return records | files.records
 
 
@@ -453,7 +557,7 @@ class Checkpointer:
     or at the latest when the next save starts or the run ends."""
 
     def __init__(
-        self, cfg: CheckpointConfig, root: Path, env: DistEnv, strategy_name: str, timeout_s: float = 1800.0
+        self, cfg: CheckpointConfig, root: Where, env: DistEnv, strategy_name: str, timeout_s: float = 1800.0
     ) -> None:
         self.root = root
         self.env = env
@@ -470,8 +574,8 @@ class Checkpointer:
             from dtf.train.checkpoint_writer import BackgroundWriter
 
             self.writer = BackgroundWriter(env.rank, env.world_size, env.device, timeout_s)
-        self._pending: tuple[int, Path] | None = None  # the save the writer is writing
-        self._committing: tuple[int, Path] | None = None  # rank 0: the checkpoint whose marker the writer writes
+        self._pending: tuple[int, Where] | None = None  # the save the writer is writing
+        self._committing: tuple[int, Where] | None = None  # rank 0: the checkpoint whose marker the writer writes
         self.blocked_s: list[float] = []  # how long each save held up the training loop
         self.last_saved_step: int | None = None  # of this process's latest save (maybe still being written)
 
@@ -499,7 +603,7 @@ class Checkpointer:
 
     def write(
         self, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any], later: frozenset[int] = frozenset()
-    ) -> Path:
+    ) -> Where:
         """Collective: writes the checkpoint of this step now (committed at once, or once every
         rank's writer has written its part). later (async_save): the data_ptr()s of tensors of
         app_state that the caller leaves unchanged until it calls wait_staged; they are copied in
@@ -519,7 +623,7 @@ class Checkpointer:
                 self._commit(step, path, write_files(request, self.env.rank, self.env.world_size))
         return path
 
-    def path_of(self, step: int) -> Path:
+    def path_of(self, step: int) -> Where:
         return self.root / f"{_PREFIX}{step:09d}"
 
     @property
@@ -555,14 +659,25 @@ class Checkpointer:
                 self.writer = None
 
     @contextlib.contextmanager
-    def _failing_save(self, step: int, path: Path) -> Iterator[None]:
+    def _failing_save(self, step: int, path: Where) -> Iterator[None]:
         """A save that fails leaves no files behind (they are never loaded, and would only take the
-        space a full disk lacks); a full disk is told in one line."""
+        space a full disk lacks); a full disk is told in one line, and so is an object store that
+        fails (its objects are left: they are never loaded, the next save of the step or the next
+        pruning removes them, and a store that failed may not answer a removal either)."""
         try:
             yield
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(self.root, RemotePath):
+                failure = next((w[0] for w in getattr(e, "failures", {}).values() if isinstance(w, tuple)), e)
+                line = remote.diagnose(
+                    failure, self.root.url, "checkpoint.dir", f"saving the checkpoint of step {step}"
+                )
+                if line is None:
+                    raise
+                raise EveryRankUserError(line) from None
+            assert isinstance(path, Path) and isinstance(self.root, Path)
             full = out_of_space(e, self.root)
             if self.env.is_main:
                 shutil.rmtree(path, ignore_errors=True)
@@ -587,7 +702,7 @@ class Checkpointer:
                 "same command to continue"
             ) from None
 
-    def _commit(self, step: int, path: Path, records: dict[str, dict[str, Any]]) -> None:
+    def _commit(self, step: int, path: Where, records: dict[str, dict[str, Any]]) -> None:
         """Rank 0 gathers every rank's records (each sends them once it has written its files) and
         writes the marker: itself, or through its writer process (which writes it before the next
         save; _settle_commit takes its outcome)."""
@@ -630,34 +745,38 @@ class Checkpointer:
     def _prune(self) -> None:
         prune(self.root, self._retention())
 
-    def load(self, path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    def load(self, path: Where, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's
         RNG state or None when the world size changed, saved world size)."""
         saved_world = read_marker(path).world_size
         load_app_state(path, app_state)
-        trainer_state = torch.load(path / TRAINER_FILE, weights_only=True)
+        trainer_state = _torch_load(path / TRAINER_FILE)
         rank_file = path / f"rank_{self.env.rank}.pt"
         same_world = saved_world == self.env.world_size
-        rng = torch.load(rank_file, weights_only=True) if same_world and rank_file.is_file() else None
+        rng = _torch_load(rank_file) if same_world and rank_file.is_file() else None
         return trainer_state, rng, saved_world
 
 
-def recorded_position(path: Path) -> TrainState:
+def recorded_position(path: Where) -> TrainState:
     """Where the run a checkpoint holds stood (step, epoch, samples_in_epoch, global_batch,
     canonical_partitions, ...), read without loading anything else."""
-    saved = torch.load(path / TRAINER_FILE, weights_only=True)
+    saved = _torch_load(path / TRAINER_FILE)
     position = TrainState()
     position.load_state_dict(saved.get("trainer", saved))
     return position
 
 
-def newest_intact(root: Path) -> Path | None:
+def newest_intact(root: Where) -> Where | None:
     """The newest checkpoint under root that is complete and undamaged; each one passed over is named
-    in a warning line (incomplete ones are normal after a kill; damaged ones are not)."""
+    in a warning line (incomplete ones are normal after a kill; damaged ones are not). On an object
+    store, the newest complete one: its checksums are checked by every rank, each its share of the
+    files, before it is loaded (dtf.train.loop.choose_checkpoint), not all of it here."""
     found, skipped = scan(root)
     for path, why in skipped:
         _warn(f"skipping checkpoint {path}: {why}")
     for path in found:
+        if isinstance(path, RemotePath):
+            return path
         ok, why = verify(path)
         if ok:
             return path
@@ -665,37 +784,61 @@ def newest_intact(root: Path) -> Path | None:
     return None
 
 
-def resolve_resume(setting: str, root: Path) -> Path | None:
-    """checkpoint.resume: auto (newest intact checkpoint of this run dir, if any), never, or a path."""
+def resolve_resume(setting: str, root: Where, storage_options: dict[str, Any] | None = None) -> Where | None:
+    """checkpoint.resume: auto (newest intact checkpoint of this run dir, if any), never, or a path
+    or URL (on an object store, complete: its checksums are checked by the ranks, as newest_intact's)."""
     if setting == "never":
         return None
     if setting == "auto":
         return newest_intact(root)
-    path = Path(setting)
-    if not path.is_dir():
-        raise UserError(
-            f"checkpoint.resume={setting}: no such checkpoint directory; give a step_* folder, auto or never"
+    path = location(setting, storage_options, "checkpoint.resume")
+    try:
+        if not path.is_dir():
+            raise UserError(
+                f"checkpoint.resume={setting}: no such checkpoint directory; give a step_* folder, auto or never"
+            )
+        ok, why = is_complete(path) if isinstance(path, RemotePath) else verify(path)
+    except UserError:
+        raise
+    except Exception as e:
+        line = (
+            remote.diagnose(e, setting, "checkpoint.resume", "reading the checkpoint")
+            if remote.is_remote(setting)
+            else None
         )
-    ok, why = verify(path)
+        if line is None:
+            raise
+        raise UserError(line) from None
     if not ok:
         raise UserError(f"checkpoint.resume={setting} is not a complete checkpoint: {why}")
     return path
 
 
-def choose_start(setting: str, root: Path, attempt: int) -> tuple[Path | None, str | None]:
+def choose_start(
+    setting: str, root: Where, attempt: int, storage_options: dict[str, Any] | None = None
+) -> tuple[Where | None, str | None]:
     """The checkpoint a run starts from, and a note for the user. One rule for a run directory:
     a restart or requeue (attempt > 0) always continues this run from its newest checkpoint, whatever
     checkpoint.resume says (that is for the first attempt); a fresh start (never, or another
     checkpoint's path) in a run dir that holds checkpoints moves them aside first, so that they
-    can neither outlive the new run's checkpoints nor be continued by a later resume=auto."""
+    can neither outlive the new run's checkpoints nor be continued by a later resume=auto. An
+    object store cannot move them (no rename): a fresh start there is refused in one line."""
     if attempt > 0:
         newest = newest_intact(root)
         if newest is not None or setting in ("auto", "never"):
             return newest, None
-        return resolve_resume(setting, root), None  # no checkpoint of its own yet: where the first attempt began
-    start = resolve_resume(setting, root)
+        # no checkpoint of its own yet: where the first attempt began
+        return resolve_resume(setting, root, storage_options), None
+    start = resolve_resume(setting, root, storage_options)
     if setting == "auto" or not root.is_dir() or not any(root.glob(f"{_PREFIX}*")):
         return start, None
+    if isinstance(root, RemotePath):
+        raise UserError(
+            f"checkpoint.dir={root} holds the checkpoints of an earlier run, which cannot be moved aside on an object "
+            f"store as they are in a folder (checkpoint.resume={setting} starts another run): give this run a "
+            "checkpoint.dir of its own, or continue that run with checkpoint.resume=auto"
+        )
+    assert isinstance(start, Path | None)
     aside = root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
     while aside.exists():
         aside = aside.with_name(aside.name + "_")

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtf.errors import UserError
 from dtf.heartbeat import Heartbeat
-from dtf.train.checkpoint import BEST_FILE, _SafePlanner, _SafeReader, committed, read_marker, verify
+from dtf.train.checkpoint import BEST_FILE, W, _SafePlanner, committed, read_marker, reader, verify
+from dtf.train.checkpoint_store import Where
 
 if TYPE_CHECKING:
     from huggingface_hub import StateDictSplit
@@ -53,7 +54,7 @@ class Exported:
     """What an export wrote."""
 
     out: Path
-    checkpoint: Path
+    checkpoint: Where
     step: int
     num_tensors: int
     shards: list[str]  # the safetensors files, in order
@@ -74,10 +75,10 @@ class Exported:
         )
 
 
-def model_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+def model_tensors(checkpoint: Where) -> dict[str, TensorStorageMetadata]:
     """The model's tensors in a checkpoint (dtf's names, without DCP's `model.`), from its
     metadata alone (read by dtf's restricted unpickler), in the order they were saved."""
-    metadata = _SafeReader(str(checkpoint)).read_metadata()
+    metadata = reader(checkpoint).read_metadata()
     return {
         key[len(_MODEL) :]: meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -103,7 +104,7 @@ def skeleton(hf_dir: Path) -> Any:
 
 
 def _hf_names(
-    checkpoint: Path, config_file: Path, model: Any, stored: dict[str, TensorStorageMetadata]
+    checkpoint: Where, config_file: Path, model: Any, stored: dict[str, TensorStorageMetadata]
 ) -> dict[str, str]:
     """transformers' name -> dtf's, for the tensors save_pretrained would write (tied copies and
     the model's _keys_to_ignore_on_save left out), in the model's order; a checkpoint that does
@@ -135,13 +136,13 @@ def _hf_names(
     return {name: ours[name] for name in kept}
 
 
-def _read(checkpoint: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+def _read(checkpoint: Where, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
     """One whole tensor of the model, as stored: DCP fills it from the chunks the ranks saved
     (in this process alone, whatever group there is)."""
     state = {_MODEL + name: torch.empty(meta.size, dtype=meta.properties.dtype)}
     with warnings.catch_warnings():  # DCP's note that it loads in a single process: what is meant here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(str(checkpoint)), planner=_SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=reader(checkpoint), planner=_SafePlanner(), no_dist=True)
     return state[_MODEL + name]
 
 
@@ -169,7 +170,7 @@ def _copy_hf_files(hf_dir: Path, out: Path, dtype: torch.dtype | None) -> list[s
 
 
 def _shards(
-    checkpoint: Path, hf_dir: Path | None, model: Any, dtype: torch.dtype | None, max_shard_size: int | str
+    checkpoint: Where, hf_dir: Path | None, model: Any, dtype: torch.dtype | None, max_shard_size: int | str
 ) -> tuple[StateDictSplit, dict[str, tuple[str, TensorStorageMetadata]], int]:
     """huggingface_hub's plan of the shards (planned on meta tensors: their sizes as written),
     the written name -> (dtf's name, its metadata), and the number of parameters."""
@@ -206,7 +207,7 @@ def _out_dtype(meta: TensorStorageMetadata, dtype: torch.dtype | None) -> torch.
 
 
 def export_checkpoint(
-    checkpoint: Path,
+    checkpoint: Where,
     run_dir: Path,
     out: Path,
     dtype: torch.dtype | None = None,
@@ -269,7 +270,7 @@ def checkpoints_under(run_dir: Path) -> Iterator[Path]:
             yield from committed(folder)
 
 
-def checked(checkpoint: Path) -> Path:
+def checked(checkpoint: W) -> W:
     """The checkpoint, once every file's checksum is as committed; else one line."""
     ok, why = verify(checkpoint)
     if not ok:
@@ -277,7 +278,7 @@ def checked(checkpoint: Path) -> Path:
     return checkpoint
 
 
-def export_at_end(run_dir: Path, checkpoints: Path, keep_best: bool, beat: Heartbeat | None = None) -> list[Exported]:
+def export_at_end(run_dir: Path, checkpoints: Where, keep_best: bool, beat: Heartbeat | None = None) -> list[Exported]:
     """checkpoint.export_hf, on rank 0 once the final checkpoint is committed: the newest one to
     <run_dir>/hf_export/, and with checkpoint.keep_best the best one (best.json's first) to
     <run_dir>/hf_export_best/, each replacing the export before it. Prints a line for each."""

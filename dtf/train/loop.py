@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,14 +20,14 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.optim import Optimizer
 
-from dtf import elastic, failures, memory
+from dtf import elastic, failures, memory, remote
 from dtf import strategy as strategies
 from dtf.config.schema import MemoryCheck, ParquetDataConfig, TextDataConfig
 from dtf.config.typed import DataConfig, RunConfig
 from dtf.data import loader
 from dtf.data.interface import DataSplits
 from dtf.dist import env as dist_env
-from dtf.errors import UserError
+from dtf.errors import EveryRankUserError, UserError
 from dtf.heartbeat import Heartbeat
 from dtf.machine import lone_rank_threads_note
 from dtf.models import build_model
@@ -35,7 +37,8 @@ from dtf.signals import StopRequest
 from dtf.strategy import auto as auto_strategy
 from dtf.train import blocks, debug, hf_export, loggers, schedule
 from dtf.train import summary as run_summary
-from dtf.train.checkpoint import Checkpointer, choose_start, recorded_position
+from dtf.train.checkpoint import Checkpointer, choose_start, committed, damaged, recorded_position
+from dtf.train.checkpoint_store import RemotePath, Where, checkpoint_root, location
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward, supervised_step
 from dtf.train.loss import TargetsLikeOutput
@@ -145,7 +148,9 @@ def build(
     parts = setup_model(run, env)
     if env.is_main:  # model=hf: its config and tokenizer beside the run's weights (dtf.export reads them)
         write_hf_files(parts.model, run_dir / "hf")
+    started = time.perf_counter()
     resume = choose_checkpoint(run, env, run_dir)
+    chosen_s = time.perf_counter() - started
     # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
     recorded = recorded_position(resume).canonical_partitions if resume is not None else None
     splits = setup_data(run, env, recorded)
@@ -156,7 +161,9 @@ def build(
     seed_everything(run.trainer.seed + env.rank)
     trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, splits, beat)
     if resume is not None:
+        started = time.perf_counter()
         trainer.resume_from(resume)
+        trainer.resume_s = chosen_s + time.perf_counter() - started
         if env.is_main:
             print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
     trainer.membership_change = membership_change(trainer, run_dir)
@@ -234,15 +241,54 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
     return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
 
 
-def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Path | None:
+def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Where | None:
     """The checkpoint this run starts from, if any. Rank 0 picks it (it alone warns about incomplete
-    ones); every rank loads it."""
+    ones); every rank loads it. One on an object store is checked by every rank first, each the
+    checksums of its share of the files (rank 0 does not read all of it), and with resume=auto the
+    one before it is tried when it is damaged. Collective."""
     ck = run.checkpoint
-    found, note = choose_start(ck.resume, run_dir / ck.dir, dist_env.attempt_number()) if env.is_main else (None, None)
-    if note:
-        print(f"dtf: {note}", flush=True)
-    chosen = dist_env.broadcast_from_main(str(found) if found else None)
-    return Path(chosen) if chosen is not None else None
+    root = checkpoint_root(run_dir, ck.dir, ck.storage_options)
+    attempt = dist_env.attempt_number()
+    tries: list[str] = []
+    if env.is_main:
+        found, note = choose_start(ck.resume, root, attempt, ck.storage_options)
+        if note:
+            print(f"dtf: {note}", flush=True)
+        if found is not None:
+            tries = [str(found)]
+        if isinstance(found, RemotePath) and (ck.resume == "auto" or attempt > 0):
+            tries += [str(p) for p in committed(root) if p.name < found.name]  # newest first
+    tries = dist_env.broadcast_from_main(tries)
+    for i, text in enumerate(tries):
+        path = location(text, ck.storage_options)
+        if not isinstance(path, RemotePath):
+            return path  # rank 0 verified it (local files: it reads them from its page cache)
+        mine = _share_damaged(path, env)
+        problems = [mine]
+        if env.world_size > 1:
+            problems = [""] * env.world_size
+            torch.distributed.all_gather_object(problems, mine)
+        problem = next((p for p in problems if p), "")
+        if not problem:
+            return path
+        if i + 1 == len(tries) and not (ck.resume == "auto" or attempt > 0):
+            raise EveryRankUserError(f"checkpoint.resume={ck.resume} is not a complete checkpoint: {problem}")
+        if env.is_main:
+            before = "resuming from the one before it" if i + 1 < len(tries) else "starting fresh"
+            print(f"dtf: warning: skipping checkpoint {path}: {problem}; {before}", file=sys.stderr, flush=True)
+    return None
+
+
+def _share_damaged(path: RemotePath, env: dist_env.DistEnv) -> str:
+    """This rank's share of the checkpoint's checksums (checkpoint.damaged); a store that fails
+    while it reads them (not the checkpoint's fault) ends the run in one line."""
+    try:
+        return damaged(path, env.rank, env.world_size)
+    except Exception as e:
+        line = remote.diagnose(e, str(path), path.key, "checking the checkpoint's checksums")
+        if line is None:
+            raise
+        raise UserError(line) from None
 
 
 def setup_data(run: RunConfig, env: dist_env.DistEnv, recorded_partitions: int | None) -> DataSplits:
@@ -280,7 +326,9 @@ def assemble(
 ) -> Trainer:
     """The Trainer over the wrapped model and its optimizer, with its components."""
     t, ck, cfg = run.trainer, run.checkpoint, run.composed
-    checkpointer = Checkpointer(ck, run_dir / ck.dir, env, run.strategy.name, t.dist_timeout_s)
+    checkpointer = Checkpointer(
+        ck, checkpoint_root(run_dir, ck.dir, ck.storage_options), env, run.strategy.name, t.dist_timeout_s
+    )
     control = StepControl(
         stop_request,
         checkpointer,
@@ -427,6 +475,28 @@ def announce(run: RunConfig, trainer: Trainer, run_dir: Path, resumed: bool) -> 
         )
 
 
+def publish(run_dir: Path, root: RemotePath) -> None:
+    """Rank 0, at the end of a run whose checkpoint.dir is on an object store: the run's results
+    (model.pt, best_model.pt, summary.json, the Hugging Face exports) copied there beside the
+    checkpoints, each replacing the one before; the run dir keeps its own. summary.json last: a
+    reader that finds it finds the rest of this run's results."""
+    folders = [n for n in (hf_export.EXPORT_DIR, hf_export.BEST_EXPORT_DIR) if (run_dir / n).is_dir()]
+    files = [n for n in (run_summary.WEIGHTS_FILE, run_summary.BEST_WEIGHTS_FILE) if (run_dir / n).is_file()]
+    files.append(run_summary.SUMMARY_FILE)
+    try:
+        for name in folders:
+            (root / name).rmtree()
+            root.fs.put(f"{run_dir / name}/", (root / name).path, recursive=True)
+        for name in files:
+            root.fs.put_file(str(run_dir / name), (root / name).path)
+    except Exception as e:
+        line = remote.diagnose(e, root.url, "checkpoint.dir", "copying the run's results there")
+        if line is None:
+            raise
+        raise UserError(f"{line}; they are in {run_dir}") from None
+    print(f"dtf: results copied to {root}: {', '.join([*(f'{n}/' for n in folders), *files])}", flush=True)
+
+
 def between_nodes(env: dist_env.DistEnv) -> str:
     """Where ranks on several machines meet: the network interface their process groups and stores
     listen on (on one machine, loopback alone: nothing to say)."""
@@ -458,5 +528,7 @@ def finish(run: RunConfig, trainer: Trainer, run_dir: Path, stop_request: StopRe
     summary = run_summary.finish(run, trainer, run_dir)
     if summary is not None and run.checkpoint.export_hf:  # rank 0; fit() committed the final checkpoint
         hf_export.export_at_end(run_dir, trainer.checkpointer.root, run.checkpoint.keep_best > 0, trainer.beat)
+    if summary is not None and isinstance(trainer.checkpointer.root, RemotePath):
+        publish(run_dir, trainer.checkpointer.root)
     trainer.loggers.close("finished" if trainer.validator.pruned_at_epoch is None else "pruned")
     return Finished(summary.as_dict()) if summary is not None else None

@@ -133,6 +133,9 @@ class LoopSummary(Summary):
     samples_seen: int
     lr_final: float
     resumed_from_step: int | None
+    # Seconds from choosing the checkpoint to its state loaded on every rank (checksums checked
+    # where the ranks check them); None: the run did not resume.
+    resume_s: float | None
     # Elastic runs: each change of the world size, {"step" (resumed from), "old_world_size",
     # "new_world_size", "time_lost_s" (from the old world's end to the new one's first step),
     # "steps_recomputed" (done by the old world after that checkpoint)}.
@@ -303,6 +306,7 @@ def loop_summary(run: RunConfig, trainer: Trainer, ranks: list[RankFigures], run
         train_seconds=st.train_seconds,
         lr_final=trainer.optimizer.param_groups[0]["lr"],
         resumed_from_step=trainer.resumed_from_step,
+        resume_s=trainer.resume_s,
         membership_changes=st.membership_changes,
         strategy_choice=trainer.strategy_choice,
         data_samples=data.num_samples,

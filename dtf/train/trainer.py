@@ -9,7 +9,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -28,6 +27,7 @@ from dtf.strategy.base import Strategy
 from dtf.train import position
 from dtf.train.blocks import compiled_graphs
 from dtf.train.checkpoint import committed
+from dtf.train.checkpoint_store import Where
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward
 from dtf.train.loggers import Loggers
@@ -90,6 +90,7 @@ class Trainer:
         self.beat = heartbeat or Heartbeat(None, env.rank, 0)  # what this rank does, for the driver
         self.beat.step_times = self.step_times
         self.first_step_s: float | None = None  # this process's first step (with trainer.compile: compilation)
+        self.resume_s: float | None = None  # summary.json's resume_s (dtf.train.loop.build)
         self.resumed_from_world: int | None = None  # the world size of the checkpoint it resumed from
         # A change of the world size since that checkpoint, completed and recorded at the first step.
         self.membership_change: dict[str, Any] | None = None
@@ -413,7 +414,7 @@ class Trainer:
             "nonfinite_steps_skipped": self.nonfinite.skipped,
         }
 
-    def resume_from(self, path: Path) -> None:
+    def resume_from(self, path: Where) -> None:
         """Continue exactly where the checkpoint at path stopped (collective)."""
         app_state = self.app_state()
         saved, rng, saved_world = self.checkpointer.load(path, app_state)

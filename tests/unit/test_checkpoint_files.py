@@ -411,14 +411,10 @@ def test_a_background_copy_that_fails_is_the_saves_failure_and_leaves_nothing_be
 def test_the_records_taken_from_the_bytes_dcp_writes_equal_the_files_read_back(tmp_path: Path) -> None:
     from dtf.train.checkpoint import ChecksummedFiles, _storage_writer
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 3))
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(3, 64)).sum().backward()
-    optimizer.step()
-    files = ChecksummedFiles()
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "note": "not a tensor"}
-    dcp.save(state, storage_writer=_storage_writer(tmp_path, files), no_dist=True)
+    state = _adam_state()
+    writer, files = _storage_writer(tmp_path)
+    assert isinstance(files, ChecksummedFiles)
+    dcp.save(state, storage_writer=writer, no_dist=True)
     on_disk = {f.name: file_record(f) for f in tmp_path.iterdir()}
     assert files.records == on_disk and {".metadata", "__0_0.distcp"} <= on_disk.keys()  # .metadata as renamed
     # A file not written front to back through the stream is read back instead.
@@ -427,3 +423,56 @@ def test_the_records_taken_from_the_bytes_dcp_writes_equal_the_files_read_back(t
         stream.seek(2)
         stream.write(b"Z")
     assert files.records["patched"] == file_record(tmp_path / "patched") == {"size": 6, "crc32": "c6ad8ec4"}
+
+
+def _adam_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "note": "not a tensor"}
+
+
+def test_on_an_object_store_the_records_equal_the_objects_read_back_and_nothing_is_renamed_in_place() -> None:
+    """checkpoint.dir as a URL (fsspec's in-memory file system stands in for S3): DCP's fsspec
+    writer, whose records are taken from the bytes uploaded, the same as the objects' read back;
+    no temporary .metadata is left, and the checkpoint loads through the safe fsspec reader."""
+    import fsspec
+
+    from dtf.train.checkpoint import ChecksummedObjects, _storage_writer, load_app_state
+    from dtf.train.checkpoint_store import location
+
+    path = location(f"memory://dtf-test-{os.getpid()}/step_000000001")
+    try:
+        state = _adam_state()
+        writer, files = _storage_writer(path)
+        assert isinstance(files, ChecksummedObjects)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        stored = {p.name: file_record(p) for p in path.iterdir()}
+        assert files.records == stored and set(stored) == {".metadata", "__0_0.distcp"}
+        loaded = _adam_state()
+        for t in loaded["model"].values():  # type: ignore[attr-defined]
+            t.zero_()
+        load_app_state(path, loaded)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())  # type: ignore[index]
+    finally:
+        fsspec.filesystem("memory").rm(f"/dtf-test-{os.getpid()}", recursive=True)
+
+
+def test_checkpoint_dir_and_resume_name_a_folder_or_a_url() -> None:
+    from dtf.train.checkpoint_store import RemotePath, checkpoint_root, location
+
+    run_dir = Path("/runs/a")
+    assert checkpoint_root(run_dir, "checkpoints") == run_dir / "checkpoints"
+    assert checkpoint_root(run_dir, "/shared/ckpt") == Path("/shared/ckpt")
+    assert checkpoint_root(run_dir, "file:///shared/ckpt") == Path("/shared/ckpt")
+    assert location("file:///shared/ckpt/step_000000010") == Path("/shared/ckpt/step_000000010")
+    root = checkpoint_root(run_dir, "s3://bucket/run1/", {"key": "k"})
+    assert isinstance(root, RemotePath) and str(root) == "s3://bucket/run1"
+    step = root / "step_000000010"
+    # what a writer process gets in its requests: the URL, the options and the setting that named it
+    back = pickle.loads(pickle.dumps(step))
+    assert back == step and back.storage_options == {"key": "k"} and back.key == "checkpoint.dir"
+    assert (step.name, step.parent, step.with_name("best.json")) == ("step_000000010", root, root / "best.json")
+    assert location("s3://bucket/run1/step_000000010", None, "checkpoint.resume").key == "checkpoint.resume"

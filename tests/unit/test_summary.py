@@ -70,6 +70,8 @@ LOOP = EVERY_RUN | {
     "membership_changes",
     # added with strategy=auto (issue 50)
     "strategy_choice",
+    # added with checkpoints on S3 (issue 51)
+    "resume_s",
 }
 FUNCTION = EVERY_RUN | {"mode", "result", "optimizer_state_bytes", "model_state_bytes"}
 SMALL = ["data.dataset.num_points=2000", "data.dataset.num_test=200"]
