@@ -193,6 +193,8 @@ BF16_ACROSS = [f"{BF16_ACROSS_KEY}=bfloat16"]
         # no gcsfs here or on CI: the line names the package to install (s3:// is written to: test_s3_checkpoint.py)
         (["checkpoint.dir=gs://bucket/run1"], "checkpoint.dir=gs://bucket/run1: no file system for gs://"),
         (["checkpoint.resume=gs://bucket/run1/step_000000010"], "checkpoint.resume=gs://bucket/run1/step_000000010"),
+        # options for a store where dir and resume are both local folders would reach nothing
+        (["+checkpoint.storage_options.key=k"], "checkpoint.storage_options"),
     ],
 )
 def test_validation_errors_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
