@@ -227,7 +227,27 @@ def bytes_record(size: int, crc: int) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
-class ChecksummedFiles(FileSystem):
+class _RecordedStreams:
+    """A DCP file system (the class after this one in the bases) whose write streams count and
+    checksum what goes through them; _record turns that into the file's record."""
+
+    records: dict[str, dict[str, Any]]  # file name -> record, as finally named
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:  # type: ignore[misc]
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _ChecksummedStream(stream)
+            yield cast(io.IOBase, counted)
+        self._record(path, counted)
+
+    def _record(self, path: str | os.PathLike, counted: _ChecksummedStream) -> None:
+        raise NotImplementedError
+
+
+class ChecksummedFiles(_RecordedStreams, FileSystem):
     """DCP's local file system, which also takes each file's record (size, CRC32) from the bytes as
     DCP writes them: the same record file_record would read back, without reading the file again
     (which doubled the memory traffic of a save). DCP writes every file front to back through the
@@ -235,16 +255,9 @@ class ChecksummedFiles(FileSystem):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: dict[str, dict[str, Any]] = {}  # file name -> record, as finally named
+        self.records = {}
 
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            counted = _ChecksummedStream(stream)
-            yield cast(io.IOBase, counted)
+    def _record(self, path: str | os.PathLike, counted: _ChecksummedStream) -> None:
         file = Path(path)
         streamed = file.stat().st_size == counted.size
         self.records[file.name] = bytes_record(counted.size, counted.crc) if streamed else file_record(file)
@@ -256,7 +269,7 @@ class ChecksummedFiles(FileSystem):
             self.records[Path(new_path).name] = record
 
 
-class ChecksummedObjects(FsspecFiles):
+class ChecksummedObjects(_RecordedStreams, FsspecFiles):
     """ChecksummedFiles on an fsspec file system (an object store): each file's record from the
     bytes DCP writes, which are the object's bytes (one upload when the stream closes; no file
     descriptor anything else could write through)."""
@@ -264,16 +277,9 @@ class ChecksummedObjects(FsspecFiles):
     def __init__(self, fs: Any) -> None:
         super().__init__()
         self.fs = fs
-        self.records: dict[str, dict[str, Any]] = {}
+        self.records = {}
 
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            counted = _ChecksummedStream(stream)
-            yield cast(io.IOBase, counted)
+    def _record(self, path: str | os.PathLike, counted: _ChecksummedStream) -> None:
         self.records[os.fspath(path).rsplit("/", 1)[-1]] = bytes_record(counted.size, counted.crc)
 
     def mkdir(self, path: str | os.PathLike) -> None:
