@@ -181,7 +181,7 @@ def check_store(root: RemotePath) -> None:
     except FileNotFoundError as e:
         bucket = root.path.split("/", 1)[0]
         try:
-            fs.info(bucket)  # an empty prefix in a bucket that is there: nothing saved yet
+            _bucket_exists(fs, bucket)  # an empty prefix in a bucket that is there: nothing saved yet
             found = []
         except Exception:
             raise UserError(remote.explain(e, root.url, KEY, "listing its checkpoints")) from None
@@ -198,3 +198,12 @@ def check_store(root: RemotePath) -> None:
             f"{', ...' if len(foreign) > 3 else ''}), and dtf writes, prunes and resumes there as in a folder of "
             "its own: give a prefix of its own (e.g. s3://bucket/<run name>), empty or holding only dtf's checkpoints"
         )
+
+
+def _bucket_exists(fs: Any, bucket: str) -> None:
+    """Raises where the bucket is not there (or cannot be read). s3fs 2024.6 (the lowest declared) answers info()
+    on an empty bucket with FileNotFoundError, so a listing of it decides there."""
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        fs.ls(bucket, detail=False)
