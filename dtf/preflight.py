@@ -315,6 +315,12 @@ def _check_stop_signal(run: RunConfig) -> None:
 
 
 def _check_resume(c: CheckpointConfig) -> None:
+    if c.storage_options and not (remote.is_remote(c.dir) or remote.is_remote(c.resume)):
+        raise UserError(
+            f"checkpoint.storage_options={dict(c.storage_options)} are for a URL (s3://...) in "
+            f"checkpoint.dir or checkpoint.resume, and both name local folders ({c.dir}, {c.resume}): "
+            "leave them out, or give checkpoint.dir a URL"
+        )
     if remote.is_remote(c.dir):  # a store that cannot be listed, or that holds what is not dtf's, is refused
         from dtf.train.checkpoint_store import RemotePath, check_store
 

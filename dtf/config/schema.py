@@ -18,7 +18,6 @@ from typing import Any
 from omegaconf import MISSING
 
 from dtf.errors import UserError, require
-from dtf.remote import is_remote
 from dtf.signals import STOPPABLE_SIGNALS
 
 # trainer.precision: 32 (fp32), *-mixed (autocast around forward and loss; fp16 adds a gradient
@@ -398,12 +397,6 @@ class CheckpointConfig:
             self.every_n_steps,
             "use a positive number of optimizer steps, or null to save only at the end",
         )
-        if self.storage_options and not (is_remote(self.dir) or is_remote(self.resume)):
-            raise UserError(
-                f"checkpoint.storage_options={dict(self.storage_options)} are for a URL (s3://...) in "
-                f"checkpoint.dir or checkpoint.resume, and both name local folders ({self.dir}, {self.resume}): "
-                "leave them out, or give checkpoint.dir a URL"
-            )
         require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         require(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "use 0 (none) or more checkpoints")
         require(
