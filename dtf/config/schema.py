@@ -774,7 +774,8 @@ class ZeroStrategyConfig:
 
     name: str = "zero"
     stage: int = 1
-    # Stages 2 and 3 (FSDP2 underneath): see FSDPStrategyConfig.
+    # The units (see FSDPStrategyConfig): stages 2 and 3 (FSDP2 underneath) shard each; stage 1
+    # all-gathers each one's parameters after the step, while the next forward runs the units before it.
     block_classes: list[str] | None = None
     meta_init: bool = False
 

@@ -8,7 +8,7 @@ Ranks are placed as every launcher places them: consecutive ranks on one host.
 
 Per step, with M the model's parameter (and gradient) bytes:
 - ddp: one all-reduce of the gradients over all ranks;
-- zero stage 1: the same, then an all-gather of the updated parameters;
+- zero stage 1: the same, then an all-gather of the updated parameters (in chunks of units);
 - zero stage 2: an all-gather of the parameters (kept from forward to backward), a reduce-scatter
   of the gradients;
 - zero stage 3 and fsdp: an all-gather in forward, another in backward, a reduce-scatter;
@@ -26,9 +26,10 @@ dtf.strategy.choose charges every hop of a collective the step waits for the pro
 hop (the latency across for all hops of a ring that crosses hosts: it runs at the pace of its
 slowest). Collectives that run beside the compute, on gloo's threads as on CUDA streams, overlap
 their latencies, and only their bytes count: the gradients' all-reduces (DDP's buckets, mics's
-across the groups) and FSDP's all-gathers (prefetched) and reduce-scatters (dtf.strategy.cpu_overlap
-on CPU). Not mics's reduce-scatter inside its groups on gloo, where the all-reduce across the groups
-starts from its output at once (dtf.strategy.mics).
+across the groups), FSDP's all-gathers (prefetched) and reduce-scatters (dtf.strategy.cpu_overlap
+on CPU), and zero stage 1's all-gathers after the step (beside the next forward, in chunks of units).
+Not mics's reduce-scatter inside its groups on gloo, where the all-reduce across the groups starts
+from its output at once (dtf.strategy.mics).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def per_step(
         rings.all_reduce(everyone, grad_bytes, 1, overlapped=True)
     elif plan.strategy == "zero1":
         rings.all_reduce(everyone, grad_bytes, 1, overlapped=True)
-        rings.all_gather(everyone, param_bytes, 1)
+        rings.all_gather(everyone, param_bytes, units, overlapped=True)  # in chunks, beside the next forward
     elif plan.strategy in ("zero2", "zero3", "fsdp"):
         for _ in range(1 if plan.strategy == "zero2" else 2):
             rings.all_gather(everyone, param_bytes, units, overlapped=True)

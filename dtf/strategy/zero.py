@@ -18,7 +18,8 @@ from dtf.strategy.zero1 import Zero1Strategy
 def zero(cfg: ZeroStrategyConfig, precision: str = "32") -> Strategy:
     """The strategy of a ZeRO stage; whatever runs underneath, it is named (and reports as) zero."""
     if cfg.stage == 1:
-        return Zero1Strategy(DDPStrategyConfig(name="zero", meta_init=cfg.meta_init), precision)
+        ddp = DDPStrategyConfig(name="zero", meta_init=cfg.meta_init)
+        return Zero1Strategy(ddp, precision, list(cfg.block_classes) if cfg.block_classes else None)
     fsdp = FSDPStrategyConfig(
         name="zero",
         reshard_after_forward=cfg.stage == 3,

@@ -49,9 +49,10 @@ def test_the_bytes_of_each_plan_are_the_rings_closed_forms(plan: Plan, across: f
     [
         # the ring hops the step waits for, 9 units, 2 hosts x 2 ranks: an all-gather over n ranks
         # takes n-1 hops, an all-reduce 2 (n-1); the gradients' all-reduces overlap the backward,
-        # FSDP's all-gathers are prefetched and its reduce-scatters end beside the backward
+        # FSDP's all-gathers are prefetched and its reduce-scatters end beside the backward, zero 1's
+        # all-gathers of the updated parameters run beside the next forward
         (Plan("ddp", 1), 0, 0),
-        (Plan("zero1", 1), 3, 0),  # the updated parameters' all-gather, after the step
+        (Plan("zero1", 1), 0, 0),
         (Plan("fsdp", 4), 0, 0),
         (Plan("mics", 4), 0, 0),
         (Plan("mics", 2), 0, 9 * 2),  # its reduce-scatters inside, each an all-reduce on gloo

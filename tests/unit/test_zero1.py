@@ -149,6 +149,7 @@ def _steps_like_the_whole_optimizer(rank: int, world: int, name: str) -> None:
     for step in range(5):
         _train(model, opt, sched, step, *_batch(step, rank))
         _train(reference, ref_opt, ref_sched, step, *_full_batch(step, world))
+        opt.settle()  # the all-gathers after the step (waited for by the next forward, or here)
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         _same_on_every_rank(_params_digest(model))
@@ -180,6 +181,86 @@ def _holds_an_equal_slice(rank: int, world: int) -> None:
 
 def test_every_rank_steps_an_equal_slice_of_the_parameters() -> None:
     run_on_ranks(_holds_an_equal_slice, 4)
+
+
+# -- the all-gathers beside the next forward ------------------------------------------------
+class _Deferred:
+    """An all-gather that runs only when waited for: a unit that computed before waiting for its
+    parameters would compute with the last step's."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+        self.args = (output, input, group)
+
+    def wait(self) -> bool:
+        output, input, group = self.args
+        dist.all_gather_into_tensor(output, input, group=group)
+        return True
+
+
+def _forward_waits_for_each_unit(rank: int, world: int) -> None:
+    from dtf.strategy import zero1
+
+    def deferred(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        assert async_op, "the all-gathers after a step are async"
+        return _Deferred(output, input, group)
+
+    zero1.all_gather_single = deferred  # type: ignore[assignment]
+    zero1.GATHER_CHUNK_BYTES = 0  # every unit its own all-gather (the model is tiny)
+    env = DistEnv(rank, world, rank, torch.device("cpu"))
+    reference = _model()
+    ref_opt = _grouped("adamw", reference.parameters())
+    strategy = _zero1()
+    model, opt = strategy.setup(_model(), _factory("adamw"), env)
+    gathers = strategy.gathers
+    assert gathers is not None
+    waited: list[int] = []
+    wait = gathers.wait
+    gathers.wait = lambda unit: (waited.append(unit) if unit in gathers.pending else None, wait(unit))[1]  # type: ignore[method-assign]
+    for step in range(4):
+        x, y = _batch(step, rank)
+        full_x, full_y = _full_batch(step, world)
+        out, ref_out = model(x), reference(full_x)
+        # the forward after a step computes with the stepped parameters: each unit waited for its own
+        torch.testing.assert_close(out, ref_out[rank * len(x) : (rank + 1) * len(x)], rtol=1e-5, atol=1e-6)
+        nn.functional.mse_loss(out, y).backward()
+        nn.functional.mse_loss(ref_out, full_y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        # the root (mix, scale), then its children with parameters (inp, out): three units, in flight
+        assert sorted(gathers.pending) == [0, 1, 2]
+        waited.clear()
+    model(x)
+    assert waited == [0, 1, 2] and not gathers.pending  # in forward order, and no more
+    opt.step()  # what reads the parameters otherwise settles them: the next step, a checkpoint
+    assert sorted(gathers.pending) == [0, 1, 2]
+    strategy.state_dict(model, opt)
+    assert not gathers.pending
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_all_gathers_after_a_step_run_beside_the_next_forward_which_waits_unit_by_unit() -> None:
+    run_on_ranks(_forward_waits_for_each_unit, 2)
+
+
+def test_units_are_gathered_in_chunks_of_a_few_mb_and_tied_weights_with_the_root() -> None:
+    from dtf.strategy.zero1 import model_units
+
+    mb = 2**20
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(1024, 1024), nn.Linear(8, 8), nn.Linear(8, 8))
+    units, chunk_of_unit, chunk_of = model_units([model], None, 4 * mb)
+    assert units == [model, *model]
+    # small units go with those after them until a chunk holds 4 MB (the 1024x1024 layer's 4 MB)
+    assert chunk_of_unit == [0, 0, 0, 0, 1, 1]
+    assert {chunk_of[p] for p in model[2].parameters()} == {0} and {chunk_of[p] for p in model[3].parameters()} == {1}
+    model[4].weight = model[0].weight  # tied: both layers read it, and the root's unit runs first
+    _, chunk_of_unit, chunk_of = model_units([model], None, 0)
+    assert chunk_of_unit == [0, 1, 2, 3, 4, 5]
+    assert chunk_of[model[0].weight] == 0 and chunk_of[model[0].bias] == 0 and chunk_of[model[4].bias] == 0
+    assert chunk_of[model[1].weight] == 2
 
 
 # -- checkpoints -----------------------------------------------------------------------------
@@ -296,6 +377,8 @@ def _load_and_check(rank: int, world: int, strategy_name: str, path: str, full_f
     for m, o, batch in ((model, opt, _batch(3, rank)), (reference, ref_opt, _full_batch(3, world))):
         nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
         o.step()
+    if strategy_name == "zero1":
+        opt.settle()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
