@@ -668,12 +668,22 @@ class DDPStrategyConfig:
     find_unused_parameters: bool = False
     # Re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
     forward_sync_buffers: bool = True
+    # MB of gradients per all-reduce (DDP's buckets; the first holds 1 MB); null: 4 on CPU (gloo),
+    # so that the all-reduces start during the backward; PyTorch's 25 on CUDA.
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     # Build the model on the meta device and materialise it on the rank's device (initialised by
     # each module's reset_parameters, the same on every rank): no copy built on the CPU first.
     meta_init: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            self.bucket_cap_mb is None or self.bucket_cap_mb > 0,
+            "strategy.bucket_cap_mb",
+            self.bucket_cap_mb,
+            "give the MB of gradients per all-reduce, e.g. 4, or null for dtf's default",
+        )
 
 
 @dataclass

@@ -182,6 +182,7 @@ BF16_ACROSS = [f"{BF16_ACROSS_KEY}=bfloat16"]
         (["loss._target_=torch.nn.NoSuchLoss"], "loss._target_"),
         (["+trainer.max_epoch=3"], "trainer.max_epoch"),  # `+` would otherwise add an ignored key
         (["strategy=zero", "strategy.stage=4"], "strategy.stage"),
+        (["strategy=ddp", "strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb"),
         (["strategy=mics", "launcher.nproc=4", "strategy.partition_group_size=3"], "strategy.partition_group_size"),
         (["strategy=mics", "launcher.nproc=2", "strategy.partition_group_size=4"], "strategy.partition_group_size"),
         (["strategy=mics", "strategy.partition_group_size=some"], "strategy.partition_group_size"),

@@ -69,6 +69,10 @@ def _no_sync_defers_the_all_reduce(rank: int, world: int) -> None:
     full = strategy.full_state_dict(model)
     assert list(full) == ["weight"]  # no "module." prefix
     assert strategy.model_state_bytes(model, opt) == 2 * 3 * 4  # params + grads, SGD has no state
+    # strategy.bucket_cap_mb=null on CPU: 4 MB buckets, whose all-reduces start during the backward
+    assert model.bucket_bytes_cap == 4 * 2**20
+    chosen = DDPStrategy(OmegaConf.structured(DDPStrategyConfig(bucket_cap_mb=25)))
+    assert chosen.setup(torch.nn.Linear(3, 1), lambda p: None, env)[0].bucket_bytes_cap == 25 * 2**20
     dist.barrier()
 
 
