@@ -215,7 +215,7 @@ def _forward_waits_for_each_unit(rank: int, world: int) -> None:
     assert gathers is not None
     waited: list[int] = []
     wait = gathers.wait
-    gathers.wait = lambda unit: (waited.append(unit) if unit in gathers.pending else None, wait(unit))[1]  # type: ignore[method-assign]
+    gathers.wait = lambda chunk: (waited.append(chunk) if chunk in gathers.pending else None, wait(chunk))[1]  # type: ignore[method-assign]
     for step in range(4):
         x, y = _batch(step, rank)
         full_x, full_y = _full_batch(step, world)
