@@ -266,15 +266,24 @@ class ParameterGathers:
     computes while the later units' parameters still cross (as FSDP prefetches). What reads the
     parameters otherwise (a
     checkpoint, an export, the next step) settles them all first; so does the end of the root's
-    forward, for a unit that did not run. A module reads, as under FSDP, only the parameters of its
-    own unit and of the units that ran before it."""
+    forward, for a unit that did not run. A module that runs on its own waits for its own parameters.
+    A module reads, as under FSDP, only the parameters of its own unit, of the units that ran before
+    it, and its own."""
 
-    def __init__(self, units: list[nn.Module], chunk_of_unit: list[int]) -> None:
+    def __init__(self, units: list[nn.Module], chunk_of_unit: list[int], chunk_of: Mapping[nn.Parameter, int]) -> None:
         self.pending: dict[int, list[dist.Work]] = {}  # by chunk
+        roots = _roots_of(units)
+        # Each unit waits for its chunk; so does every module for its own parameters' chunks, in
+        # case it runs on its own (a submodule called outside its unit's forward).
+        waits = {id(unit): {chunk} for unit, chunk in zip(units, chunk_of_unit, strict=True)}
+        modules = {id(m): m for root in roots for m in root.modules()}
+        for key, module in modules.items():
+            waits.setdefault(key, set()).update(chunk_of[p] for p in module.parameters(recurse=False) if p in chunk_of)
         self.handles = [
-            unit.register_forward_pre_hook(_waits_for(self, chunk))
-            for unit, chunk in zip(units, chunk_of_unit, strict=True)
-        ] + [root.register_forward_hook(_settles(self)) for root in _roots_of(units)]
+            modules[key].register_forward_pre_hook(_waits_for(self, sorted(chunks)))
+            for key, chunks in waits.items()
+            if chunks
+        ] + [root.register_forward_hook(_settles(self)) for root in roots]
 
     def add(self, chunk: int, work: dist.Work) -> None:
         self.pending.setdefault(chunk, []).append(work)
@@ -293,10 +302,11 @@ def _roots_of(units: list[nn.Module]) -> list[nn.Module]:
     return [u for u in units if id(u) not in inner]
 
 
-def _waits_for(gathers: ParameterGathers, chunk: int) -> Callable[..., None]:
+def _waits_for(gathers: ParameterGathers, chunks: list[int]) -> Callable[..., None]:
     @torch.compiler.disable  # trainer.compile: the wait runs as it is, between compiled graphs
     def hook(module: nn.Module, args: Any) -> None:
-        gathers.wait(chunk)
+        for chunk in chunks:
+            gathers.wait(chunk)
 
     return hook
 
@@ -553,7 +563,7 @@ class Zero1Strategy(DDPStrategy):
             )
         roots = list(model.values()) if isinstance(model, nn.ModuleDict) else [model]
         units, chunk_of_unit, chunk_of = model_units(roots, self.block_classes, GATHER_CHUNK_BYTES)
-        self.gathers = ParameterGathers(units, chunk_of_unit) if env.world_size > 1 else None
+        self.gathers = ParameterGathers(units, chunk_of_unit, chunk_of) if env.world_size > 1 else None
         names = {p: name for name, p in model.named_parameters()}
         optimizer = ShardedOptimizer(template, names, chunk_of=chunk_of, gathers=self.gathers)
         del template  # its state, if its class makes any up front (Adagrad), would be the whole model's

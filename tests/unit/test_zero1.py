@@ -245,6 +245,40 @@ def test_the_all_gathers_after_a_step_run_beside_the_next_forward_which_waits_un
     run_on_ranks(_forward_waits_for_each_unit, 2)
 
 
+class _Wrapped(nn.Module):
+    """Odd inside a wrapper: one unit (body) whose submodules are not units of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _a_submodule_run_alone_waits_for_its_parameters(rank: int, world: int) -> None:
+    from dtf.strategy import zero1
+
+    zero1.all_gather_single = lambda output, input, group=None, async_op=False: _Deferred(output, input, group)  # type: ignore[assignment]
+    zero1.GATHER_CHUNK_BYTES = 0
+    env = DistEnv(rank, world, rank, torch.device("cpu"))
+    reference = _Wrapped()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    strategy = _zero1()
+    model, opt = strategy.setup(_Wrapped(), functools.partial(torch.optim.SGD, lr=0.1), env)
+    x, y = _full_batch(0, world)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    h = torch.randn(4, 3)
+    # body.inp is not a unit (body is): called on its own, it waits for its own parameters
+    torch.testing.assert_close(model.module.body.inp(h), reference.body.inp(h), rtol=1e-5, atol=1e-6)
+
+
+def test_a_submodule_run_on_its_own_after_a_step_computes_with_the_stepped_parameters() -> None:
+    run_on_ranks(_a_submodule_run_alone_waits_for_its_parameters, 2)
+
+
 def test_units_are_gathered_in_chunks_of_a_few_mb_and_tied_weights_with_the_root() -> None:
     from dtf.strategy.zero1 import model_units
 
