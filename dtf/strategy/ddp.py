@@ -15,7 +15,8 @@ from dtf.strategy.base import OptimizerFactory, Strategy, materialise_whole
 
 # strategy.bucket_cap_mb=null on CPU. DDP starts a bucket's all-reduce during the backward once the
 # bucket fills; in PyTorch's 25 MB ones, most of a ViT's 19 MB of gradients crossed after the
-# backward (1.36x the step's floor over a 1 Gbit/s link, 1.20x with 4 MB: docs/strategies.md).
+# backward (1.36x the step's floor over a 1 Gbit/s link; 1.14x and 1.22x in two runs with 4 MB:
+# docs/strategies.md).
 # A fixed size, not one sized from the measured link: the bucket boundaries decide the order in
 # which gloo sums each element, and a run's bits must not depend on a measurement.
 CPU_BUCKET_CAP_MB = 4.0
