@@ -3,14 +3,13 @@ FSDP2 on gloo sum gradients instead of averaging them; SGD would be off by the w
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
 from dtf.config.schema import DDPStrategyConfig, FSDPStrategyConfig, MicsStrategyConfig
+from dtf.dist.compat import fsdp_param_groups
 from dtf.dist.env import DistEnv
 from dtf.models.blocks import find_blocks
 from dtf.strategy.ddp import DDPStrategy
@@ -83,7 +82,7 @@ def _overlap_equals_blocking(rank: int, world: int) -> None:
         fully_shard(block)
     fully_shard(blocking)
     units = [m for m in overlapped.modules() if isinstance(m, FSDPModule)]
-    assert len(units) == 4 and all(g.unshard_async_op for u in units for g in _param_groups(u))
+    assert len(units) == 4 and all(g.unshard_async_op for u in units for g in fsdp_param_groups(u))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (overlapped, blocking)]
     # Step 1: a backward on fresh gradients reduce-scatters beside the backward, once for each of
     # the 3 units with parameters (the root has none of its own). Step 2: two backwards without
@@ -105,13 +104,6 @@ def _overlap_equals_blocking(rank: int, world: int) -> None:
     for p, q in zip(overlapped.parameters(), blocking.parameters(), strict=True):
         assert torch.equal(p.to_local(), q.to_local())
     dist.barrier()
-
-
-def _param_groups(unit: nn.Module) -> list[Any]:
-    """FSDP2's parameter groups of a unit: a list in torch 2.13, one (or None) in 2.10, the lowest declared."""
-    state = unit._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    return list(groups) if groups is not None else [g for g in [state._fsdp_param_group] if g is not None]
 
 
 def test_fsdp2_on_cpu_overlaps_its_collectives_and_gives_the_blocking_gradients_bit_for_bit() -> None:
