@@ -231,7 +231,9 @@ class _RecordedStreams:
     """A DCP file system (the class after this one in the bases) whose write streams count and
     checksum what goes through them; _record turns that into the file's record."""
 
-    records: dict[str, dict[str, Any]]  # file name -> record, as finally named
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}  # file name -> record, as finally named
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -253,10 +255,6 @@ class ChecksummedFiles(_RecordedStreams, FileSystem):
     (which doubled the memory traffic of a save). DCP writes every file front to back through the
     stream's write(); a file whose size on disk is not what went through write() is read back."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.records = {}
-
     def _record(self, path: str | os.PathLike, counted: _ChecksummedStream) -> None:
         file = Path(path)
         streamed = file.stat().st_size == counted.size
@@ -277,7 +275,6 @@ class ChecksummedObjects(_RecordedStreams, FsspecFiles):
     def __init__(self, fs: Any) -> None:
         super().__init__()
         self.fs = fs
-        self.records = {}
 
     def _record(self, path: str | os.PathLike, counted: _ChecksummedStream) -> None:
         self.records[os.fspath(path).rsplit("/", 1)[-1]] = bytes_record(counted.size, counted.crc)
