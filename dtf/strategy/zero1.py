@@ -279,11 +279,11 @@ class ParameterGathers:
         modules = {id(m): m for root in roots for m in root.modules()}
         for key, module in modules.items():
             waits.setdefault(key, set()).update(chunk_of[p] for p in module.parameters(recurse=False) if p in chunk_of)
-        self.handles = [
-            modules[key].register_forward_pre_hook(_waits_for(self, sorted(chunks)))
-            for key, chunks in waits.items()
-            if chunks
-        ] + [root.register_forward_hook(_settles(self)) for root in roots]
+        for key, chunks in waits.items():
+            if chunks:
+                modules[key].register_forward_pre_hook(_waits_for(self, sorted(chunks)))
+        for root in roots:
+            root.register_forward_hook(_settles(self))
 
     def add(self, chunk: int, work: dist.Work) -> None:
         self.pending.setdefault(chunk, []).append(work)
