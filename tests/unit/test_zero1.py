@@ -279,6 +279,31 @@ def test_a_submodule_run_on_its_own_after_a_step_computes_with_the_stepped_param
     run_on_ranks(_a_submodule_run_alone_waits_for_its_parameters, 2)
 
 
+def _block_classes_name_the_units(rank: int, world: int) -> None:
+    from dtf.strategy import zero1
+
+    zero1.GATHER_CHUNK_BYTES = 0  # every unit its own all-gather
+    env = DistEnv(rank, world, rank, torch.device("cpu"))
+    x, y = _full_batch(0, world)
+    in_flight = []
+    for classes in (None, ["Linear"]):
+        strategy = zero(OmegaConf.structured(ZeroStrategyConfig(stage=1, block_classes=classes)))
+        model, opt = strategy.setup(_Wrapped(), functools.partial(torch.optim.SGD, lr=0.1), env)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert strategy.gathers is not None
+        in_flight.append(len(strategy.gathers.pending))
+        opt.settle()
+    # by default the wrapper's one child (body) is its only unit with parameters; with
+    # strategy.block_classes=[Linear], body.inp and body.out are units of their own, and the root's
+    # unit holds the rest (body's mix and scale)
+    assert in_flight == [1, 3]
+
+
+def test_strategy_block_classes_name_stage_1s_units() -> None:
+    run_on_ranks(_block_classes_name_the_units, 2)
+
+
 def test_units_are_gathered_in_chunks_of_a_few_mb_and_tied_weights_with_the_root() -> None:
     from dtf.strategy.zero1 import model_units
 
