@@ -668,8 +668,9 @@ class DDPStrategyConfig:
     find_unused_parameters: bool = False
     # Re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
     forward_sync_buffers: bool = True
-    # MB of gradients per all-reduce (DDP's buckets; the first holds 1 MB); null: 4 on CPU (gloo),
-    # so that the all-reduces start during the backward; PyTorch's 25 on CUDA.
+    # MB of gradients per all-reduce (DDP's buckets); null: 4 on CPU (gloo), so that the all-reduces
+    # start during the backward; on CUDA PyTorch's 25 (its first bucket 1). A size set here, or the 4
+    # on CPU, holds for the first bucket too.
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
