@@ -16,11 +16,13 @@ weights_only=True, and so do dtf's own files.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import time
@@ -28,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
+from torch.futures import Future
 
 from dtf import remote
 from dtf.config.schema import CheckpointConfig
@@ -128,14 +131,120 @@ class _SafeReader(FileSystemReader):
 
 
 class _SafeRemoteReader(FsspecReader, _SafeReader):
-    """DCP's fsspec reader (each rank reads the byte ranges of the objects it needs), with
-    _SafeReader's metadata."""
+    """DCP's fsspec reader, with _SafeReader's metadata, reading each object only where this rank's
+    load plan reads it: the files it holds checked copies of from those, the rest as the byte ranges
+    the plan names, a file's ranges in concurrent requests. (DCP streams each file through the file
+    system's own reads, and s3fs reads ahead 50 MB from wherever a read starts: every rank fetched
+    most of every file for the scalars and the shards it wanted from it.)"""
+
+    def __init__(self, url: str, copies: LocalCopies | None = None, **options: Any) -> None:
+        super().__init__(url, **options)
+        self._files = _PlannedReads(cast(FsspecFiles, self.fs), {} if copies is None else copies.files)
+        self.fs = cast(FileSystem, self._files)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        items = [cast(Any, self.storage_data[req.storage_index]) for req in plan.items]
+        self._files.plan([(i.relative_path, i.offset, i.offset + i.length) for i in items])
+        return super().read_data(plan, planner)
 
 
-def reader(path: Where) -> FileSystemReader:
-    """DCP's reader of the checkpoint at path (a folder, or a URL), reading nothing that can run code."""
+# Byte ranges of one object closer than this are fetched as one request (fewer round trips).
+_RANGE_GAP = 1 << 20
+
+
+class _PlannedReads:
+    """DCP's fsspec file system, whose reads open a local copy where there is one, else fetch the
+    byte ranges plan() named for the file, else read the object as the file system reads it."""
+
+    def __init__(self, remote_files: FsspecFiles, copies: dict[str, Path]) -> None:
+        self._remote = remote_files
+        self._copies = copies
+        self._planned: dict[str, list[list[int]]] = {}
+
+    def plan(self, wanted: list[tuple[str, int, int]]) -> None:
+        """The ranges (file name, start, end) a load reads, merged where they are close."""
+        self._planned = {}
+        for name, start, end in sorted(wanted):
+            spans = self._planned.setdefault(name, [])
+            if spans and start <= spans[-1][1] + _RANGE_GAP:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = str(path).rsplit("/", 1)[-1]
+        copy = self._copies.get(name) if mode == "rb" else None
+        if copy is not None:
+            with copy.open("rb") as f:
+                yield cast(io.IOBase, f)
+        elif mode == "rb" and name in self._planned:
+            # One file's ranges at a time (the memory a load holds), in concurrent requests.
+            spans = self._planned.pop(name)
+            fs = cast(Any, self._remote).fs
+            blobs = fs.cat_ranges([str(path)] * len(spans), [s[0] for s in spans], [s[1] for s in spans])
+            fetched = _Ranges()
+            for (start, _), blob in zip(spans, blobs, strict=True):
+                if isinstance(blob, BaseException):
+                    raise blob
+                fetched.add(start, blob)
+            yield fetched
+        else:
+            with self._remote.create_stream(path, mode) as stream:
+                yield stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._remote, name)
+
+
+class _Ranges(io.RawIOBase):
+    """A file of which only some byte ranges are held (those fetched): reads within them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._starts: list[int] = []
+        self._blobs: list[bytes] = []
+        self._pos = 0
+
+    def add(self, start: int, blob: bytes) -> None:
+        at = bisect.bisect(self._starts, start)
+        self._starts.insert(at, start)
+        self._blobs.insert(at, blob)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
+        if whence not in (os.SEEK_SET, os.SEEK_CUR):
+            raise io.UnsupportedOperation("a file of fetched ranges has no end to seek from")
+        self._pos = offset + (self._pos if whence == os.SEEK_CUR else 0)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        at = bisect.bisect(self._starts, self._pos) - 1
+        blob = self._blobs[at] if at >= 0 else b""
+        offset = self._pos - self._starts[at] if at >= 0 else -1
+        if offset == len(blob):
+            return 0  # the end of a range read: nothing after it was asked for
+        if not 0 <= offset < len(blob):
+            raise OSError(f"byte {self._pos} was not fetched (not in this rank's load plan)")
+        view = memoryview(blob)[offset : offset + len(buffer)]
+        memoryview(buffer).cast("B")[: len(view)] = view
+        self._pos += len(view)
+        return len(view)
+
+
+def reader(path: Where, copies: LocalCopies | None = None) -> FileSystemReader:
+    """DCP's reader of the checkpoint at path (a folder, or a URL), reading nothing that can run code;
+    copies: this rank's checked copies of some of a remote checkpoint's files, read instead."""
     if isinstance(path, RemotePath):
-        return _SafeRemoteReader(path.url, **path.options)
+        return _SafeRemoteReader(path.url, copies, **path.options)
     return _SafeReader(str(path))
 
 
@@ -159,15 +268,17 @@ RESUME_ADVICE = (
 )
 
 
-def load_app_state(path: Where, app_state: dict[str, Any], advice: str = RESUME_ADVICE) -> None:
-    """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code.
-    A checkpoint of another model (or optimizer) is refused in one line before anything is read,
-    ending with advice."""
-    misfit = _misfit(reader(path).read_metadata(), app_state)
+def load_app_state(
+    path: Where, app_state: dict[str, Any], advice: str = RESUME_ADVICE, copies: LocalCopies | None = None
+) -> None:
+    """DCP's load into app_state (in place, resharding as needed), reading nothing that can run code
+    (and the files of copies from there). A checkpoint of another model (or optimizer) is refused in
+    one line before anything is read, ending with advice."""
+    misfit = _misfit(reader(path, copies).read_metadata(), app_state)
     if misfit:
         raise EveryRankUserError(f"checkpoint {path} does not fit this run: {misfit}; {advice}")
     try:
-        dcp.load(app_state, storage_reader=reader(path), planner=_SafePlanner())
+        dcp.load(app_state, storage_reader=reader(path, copies), planner=_SafePlanner())
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, pickle.UnpicklingError)]
         if not refused:
@@ -209,13 +320,36 @@ def _metadata_problem(path: Where) -> str:
     return ""
 
 
-def file_crc32(path: Where) -> str:
-    """CRC32 of a file (zlib's, about 6 GB/s here): catches bytes changed after the commit."""
+def file_crc32(path: Where, copy_to: Path | None = None) -> str:
+    """CRC32 of a file (zlib's, about 6 GB/s here): catches bytes changed after the commit. With
+    copy_to, the bytes read are written there too (a copy that cannot be written is left out)."""
     crc = 0
+    out = None if copy_to is None else _open_copy(copy_to)
     with path.open("rb") as f:
         while chunk := f.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
+            if out is not None:
+                try:
+                    out.write(chunk)
+                except OSError:  # a full local disk: read this file from where it is, as without a copy
+                    _drop_copy(out, cast(Path, copy_to))
+                    out = None
+    if out is not None:
+        out.close()
     return f"{crc:08x}"
+
+
+def _open_copy(path: Path) -> IO[bytes] | None:
+    try:
+        return path.open("wb")
+    except OSError:
+        return None
+
+
+def _drop_copy(out: IO[bytes], path: Path) -> None:
+    with contextlib.suppress(OSError):
+        out.close()
+    path.unlink(missing_ok=True)
 
 
 def file_record(path: Where) -> dict[str, Any]:
@@ -342,8 +476,11 @@ def _remove_tree(path: Where) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _torch_load(path: Where) -> Any:
-    return torch.load(io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path, weights_only=True)
+def _torch_load(path: Where, copies: LocalCopies | None = None) -> Any:
+    if isinstance(path, RemotePath):
+        data = path.read_bytes() if copies is None else copies.read_bytes(path)
+        return torch.load(io.BytesIO(data), weights_only=True)
+    return torch.load(path, weights_only=True)
 
 
 @dataclass(frozen=True)
@@ -408,13 +545,56 @@ def verify(path: Where) -> tuple[bool, str]:
     return (False, problem) if problem else (True, "")
 
 
-def damaged(path: Where, rank: int, world_size: int) -> str:
-    """This rank's share of verify's checksums (every world_size-th file of the marker's list, from
-    the rank-th): what is wrong with the first file of it that differs from its record, or ""."""
-    for name, record in sorted(_marker_files(path).items())[rank::world_size]:
-        if file_crc32(path / name) != record["crc32"]:
+def damaged(path: Where, rank: int, world_size: int, copies: LocalCopies | None = None) -> str:
+    """This rank's share of verify's checksums (share()): what is wrong with the first file of it
+    that differs from its record, or "". With copies, each file read is kept there, so that the load
+    reads the bytes checked here rather than download them again."""
+    files = _marker_files(path)
+    for name in share(list(files), rank, world_size):
+        copy_to = None if copies is None else copies.folder / name
+        if file_crc32(path / name, copy_to) != files[name]["crc32"]:
             return f"{name} is damaged (its checksum differs from the one recorded at the commit)"
+        if copies is not None and copy_to is not None and copy_to.is_file():
+            copies.files[name] = copy_to
     return ""
+
+
+# The files a rank of the saving run wrote for itself: its DCP data file, its RNG state.
+_RANKS_OWN = re.compile(r"__(\d+)_\d+\.distcp|rank_(\d+)\.pt")
+
+
+def share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint whose checksums this rank checks, every file by one rank: what rank
+    k of the saving run wrote goes to rank k modulo the world size (at the same world size, the files
+    that rank loads: its shards, its RNG state), the rest in turn."""
+    mine, rest = [], []
+    for name in sorted(names):
+        own = _RANKS_OWN.fullmatch(name)
+        if own is None:
+            rest.append(name)
+        elif int(own[1] or own[2]) % world_size == rank:
+            mine.append(name)
+    return mine + rest[rank::world_size]
+
+
+class LocalCopies:
+    """A rank's checked copies of files of a remote checkpoint (name -> local file), in a folder of
+    their own that remove() deletes."""
+
+    def __init__(self, folder: Path) -> None:
+        shutil.rmtree(folder, ignore_errors=True)  # a killed run's, never read
+        folder.mkdir(parents=True)
+        self.folder = folder
+        self.files: dict[str, Path] = {}
+
+    def read_bytes(self, path: Where) -> bytes:
+        """The file at path: its copy where this rank holds one."""
+        copy = self.files.get(path.name)
+        return copy.read_bytes() if copy is not None else path.read_bytes()
+
+    def remove(self) -> None:
+        self.files.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def scan(root: W) -> tuple[list[W], list[tuple[W, str]]]:
@@ -748,22 +928,25 @@ class Checkpointer:
     def _prune(self) -> None:
         prune(self.root, self._retention())
 
-    def load(self, path: Where, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-        """Loads DCP state into app_state (resharding as needed); returns (trainer state, this rank's
-        RNG state or None when the world size changed, saved world size)."""
+    def load(
+        self, path: Where, app_state: dict[str, Any], copies: LocalCopies | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        """Loads DCP state into app_state (resharding as needed; copies: this rank's checked copies
+        of files of a remote checkpoint, read instead); returns (trainer state, this rank's RNG state
+        or None when the world size changed, saved world size)."""
         saved_world = read_marker(path).world_size
-        load_app_state(path, app_state)
-        trainer_state = _torch_load(path / TRAINER_FILE)
+        load_app_state(path, app_state, copies=copies)
+        trainer_state = _torch_load(path / TRAINER_FILE, copies)
         rank_file = path / f"rank_{self.env.rank}.pt"
         same_world = saved_world == self.env.world_size
-        rng = _torch_load(rank_file) if same_world and rank_file.is_file() else None
+        rng = _torch_load(rank_file, copies) if same_world and rank_file.is_file() else None
         return trainer_state, rng, saved_world
 
 
-def recorded_position(path: Where) -> TrainState:
+def recorded_position(path: Where, copies: LocalCopies | None = None) -> TrainState:
     """Where the run a checkpoint holds stood (step, epoch, samples_in_epoch, global_batch,
     canonical_partitions, ...), read without loading anything else."""
-    saved = _torch_load(path / TRAINER_FILE)
+    saved = _torch_load(path / TRAINER_FILE, copies)
     position = TrainState()
     position.load_state_dict(saved.get("trainer", saved))
     return position

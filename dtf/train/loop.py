@@ -37,7 +37,7 @@ from dtf.signals import StopRequest
 from dtf.strategy import auto as auto_strategy
 from dtf.train import blocks, debug, hf_export, loggers, schedule
 from dtf.train import summary as run_summary
-from dtf.train.checkpoint import Checkpointer, choose_start, committed, damaged, recorded_position
+from dtf.train.checkpoint import Checkpointer, LocalCopies, choose_start, committed, damaged, recorded_position
 from dtf.train.checkpoint_store import RemotePath, Where, checkpoint_root, location
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward, supervised_step
@@ -149,23 +149,28 @@ def build(
     if env.is_main:  # model=hf: its config and tokenizer beside the run's weights (dtf.export reads them)
         write_hf_files(parts.model, run_dir / "hf")
     started = time.perf_counter()
-    resume = choose_checkpoint(run, env, run_dir)
+    resume, copies = choose_checkpoint(run, env, run_dir)
     chosen_s = time.perf_counter() - started
-    # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
-    recorded = recorded_position(resume).canonical_partitions if resume is not None else None
-    splits = setup_data(run, env, recorded)
-    model, optimizer = parts.strategy.setup(parts.model, fused_where_possible(instantiate(run.composed.optimizer)), env)
-    # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
-    blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
-    # ... and a different stream per rank for what happens during training (dropout, augmentation).
-    seed_everything(run.trainer.seed + env.rank)
-    trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, splits, beat)
-    if resume is not None:
-        started = time.perf_counter()
-        trainer.resume_from(resume)
-        trainer.resume_s = chosen_s + time.perf_counter() - started
-        if env.is_main:
-            print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
+    try:
+        # After the checkpoint is chosen: a resumed run's Parquet sequence is the one it recorded.
+        recorded = recorded_position(resume, copies).canonical_partitions if resume is not None else None
+        splits = setup_data(run, env, recorded)
+        optimizer_factory = fused_where_possible(instantiate(run.composed.optimizer))
+        model, optimizer = parts.strategy.setup(parts.model, optimizer_factory, env)
+        # After the wrapping: DDP's and FSDP's hooks stay outside the compiled code.
+        blocks.compile_model(parts.model, run.trainer.compile, getattr(run.strategy, "block_classes", None))
+        # ... and a different stream per rank for what happens during training (dropout, augmentation).
+        seed_everything(run.trainer.seed + env.rank)
+        trainer = assemble(run, env, run_dir, stop_request, parts, model, optimizer, splits, beat)
+        if resume is not None:
+            started = time.perf_counter()
+            trainer.resume_from(resume, copies)
+            trainer.resume_s = chosen_s + time.perf_counter() - started
+            if env.is_main:
+                print(f"dtf: resumed from {resume} (step {trainer.state.step})", flush=True)
+    finally:
+        if copies is not None:
+            copies.remove()
     trainer.membership_change = membership_change(trainer, run_dir)
     announce(run, trainer, run_dir, resumed=resume is not None)
     return trainer
@@ -241,11 +246,13 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
     return ModelParts(strategy, precision, model, estimate.bytes_per_rank if estimate else None)
 
 
-def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> Where | None:
+def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> tuple[Where | None, LocalCopies | None]:
     """The checkpoint this run starts from, if any. Rank 0 picks it (it alone warns about incomplete
     ones); every rank loads it. One on an object store is checked by every rank first, each the
     checksums of its share of the files (rank 0 does not read all of it), and with resume=auto the
-    one before it is tried when it is damaged. Collective."""
+    one before it is tried when it is damaged. The files a rank checked stay in the run dir (the
+    LocalCopies returned, which the caller removes after the load): at the same world size they are
+    those it loads, so it downloads them once. Collective."""
     ck = run.checkpoint
     root = checkpoint_root(run_dir, ck.dir, ck.storage_options)
     attempt = dist_env.attempt_number()
@@ -259,31 +266,40 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> W
         if isinstance(found, RemotePath) and (ck.resume == "auto" or attempt > 0):
             tries += [str(p) for p in committed(root) if p.name < found.name]  # newest first
     tries = dist_env.broadcast_from_main(tries)
-    for i, text in enumerate(tries):
-        path = location(text, ck.storage_options)
-        if not isinstance(path, RemotePath):
-            return path  # rank 0 verified it (local files: it reads them from its page cache)
-        mine = _share_damaged(path, env)
-        problems = [mine]
-        if env.world_size > 1:
-            problems = [""] * env.world_size
-            torch.distributed.all_gather_object(problems, mine)
-        problem = next((p for p in problems if p), "")
-        if not problem:
-            return path
-        if i + 1 == len(tries) and not (ck.resume == "auto" or attempt > 0):
-            raise EveryRankUserError(f"checkpoint.resume={ck.resume} is not a complete checkpoint: {problem}")
-        if env.is_main:
-            before = "resuming from the one before it" if i + 1 < len(tries) else "starting fresh"
-            print(f"dtf: warning: skipping checkpoint {path}: {problem}; {before}", file=sys.stderr, flush=True)
-    return None
-
-
-def _share_damaged(path: RemotePath, env: dist_env.DistEnv) -> str:
-    """This rank's share of the checkpoint's checksums (checkpoint.damaged); a store that fails
-    while it reads them (not the checkpoint's fault) ends the run in one line."""
+    copies: LocalCopies | None = None
     try:
-        return damaged(path, env.rank, env.world_size)
+        for i, text in enumerate(tries):
+            path = location(text, ck.storage_options)
+            if not isinstance(path, RemotePath):
+                return path, None  # rank 0 verified it (local files: it reads them from its page cache)
+            copies = LocalCopies(run_dir / f".resume-rank{env.rank}")  # (emptied of the one before's)
+            mine = _share_damaged(path, env, copies)
+            problems = [mine]
+            if env.world_size > 1:
+                problems = [""] * env.world_size
+                torch.distributed.all_gather_object(problems, mine)
+            problem = next((p for p in problems if p), "")
+            if not problem:
+                return path, copies
+            if i + 1 == len(tries) and not (ck.resume == "auto" or attempt > 0):
+                raise EveryRankUserError(f"checkpoint.resume={ck.resume} is not a complete checkpoint: {problem}")
+            if env.is_main:
+                before = "resuming from the one before it" if i + 1 < len(tries) else "starting fresh"
+                print(f"dtf: warning: skipping checkpoint {path}: {problem}; {before}", file=sys.stderr, flush=True)
+    except BaseException:
+        if copies is not None:
+            copies.remove()
+        raise
+    if copies is not None:
+        copies.remove()
+    return None, None
+
+
+def _share_damaged(path: RemotePath, env: dist_env.DistEnv, copies: LocalCopies) -> str:
+    """This rank's share of the checkpoint's checksums (checkpoint.damaged), its files kept in
+    copies; a store that fails while it reads them (not the checkpoint's fault) ends the run in one line."""
+    try:
+        return damaged(path, env.rank, env.world_size, copies)
     except Exception as e:
         line = remote.diagnose(e, str(path), path.key, "checking the checkpoint's checksums")
         if line is None:

@@ -26,7 +26,7 @@ from dtf.heartbeat import Heartbeat
 from dtf.strategy.base import Strategy
 from dtf.train import position
 from dtf.train.blocks import compiled_graphs
-from dtf.train.checkpoint import committed
+from dtf.train.checkpoint import LocalCopies, committed
 from dtf.train.checkpoint_store import Where
 from dtf.train.control import StepControl
 from dtf.train.forward import Forward
@@ -414,10 +414,11 @@ class Trainer:
             "nonfinite_steps_skipped": self.nonfinite.skipped,
         }
 
-    def resume_from(self, path: Where) -> None:
-        """Continue exactly where the checkpoint at path stopped (collective)."""
+    def resume_from(self, path: Where, copies: LocalCopies | None = None) -> None:
+        """Continue exactly where the checkpoint at path stopped (collective); copies: this rank's
+        checked copies of files of a remote checkpoint, read instead."""
         app_state = self.app_state()
-        saved, rng, saved_world = self.checkpointer.load(path, app_state)
+        saved, rng, saved_world = self.checkpointer.load(path, app_state, copies)
         self.strategy.load_state_dict(self.model, self.optimizer, app_state)
         if "trainer" not in saved:
             self.state.load_state_dict(saved)  # an older checkpoint: says so in one line

@@ -9,14 +9,19 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from dtf.errors import UserError
 from dtf.preflight import validate
+from dtf.train.checkpoint import reader
+from dtf.train.checkpoint_store import RemotePath
 from tests.e2e.test_checkpoint import FAILING, _same_run
 from tests.e2e.test_s3 import s3  # noqa: F401  # the S3 endpoint of this module (a server of its own)
 from tests.helpers.clusters import script_cluster
@@ -53,6 +58,31 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
 
+@pytest.fixture
+def fetched(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The bytes s3fs fetches in this process, by object: whole objects and ranges (cat_file,
+    cat_ranges), and the blocks its file objects read (read-ahead included)."""
+    import s3fs.core
+
+    counted: Counter[str] = Counter()
+    cat_file = s3fs.core.S3FileSystem._cat_file
+    fetch_range = s3fs.core.S3File._fetch_range
+
+    async def counted_cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
+        data = await cat_file(self, path, *args, **kwargs)
+        counted[self._strip_protocol(path)] += len(data)
+        return cast(bytes, data)
+
+    def counted_fetch_range(self: Any, start: int, end: int) -> bytes:
+        data = fetch_range(self, start, end)
+        counted[self.path] += len(data)
+        return cast(bytes, data)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_cat_file", counted_cat_file)
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", counted_fetch_range)
+    return counted
+
+
 def test_a_kill_9_during_an_asynchronous_save_to_s3_never_commits_it_and_the_rerun_ends_as_the_straight_run(
     bucket: str, tmp_path: Path
 ) -> None:
@@ -79,7 +109,7 @@ def test_a_kill_9_during_an_asynchronous_save_to_s3_never_commits_it_and_the_rer
 
 
 def test_keep_last_leaves_exactly_its_checkpoints_and_a_resume_from_2_fsdp_ranks_to_1_ddp_rank_reads_them(
-    bucket: str, tmp_path: Path
+    bucket: str, tmp_path: Path, fetched: Counter[str]
 ) -> None:
     url = f"s3://{bucket}/fsdp2"
     common = ["data.dataset.num_points=1200", "data.dataset.num_test=200", "checkpoint.every_n_steps=10"]
@@ -102,7 +132,14 @@ def test_keep_last_leaves_exactly_its_checkpoints_and_a_resume_from_2_fsdp_ranks
     local = tmp_path / "copy" / "step_000000045"
     _fs().get(f"{bucket}/fsdp2/step_000000045/", f"{local}/", recursive=True)
     rest = [*common, "trainer.max_steps=60", "checkpoint.at_end=false"]
+    fetched.clear()
     from_s3 = train_in_process([*rest, f"checkpoint.resume={url}/step_000000045"], tmp_path / "from_s3")
+    # Each data file fetched once: read for its checksum, kept, and loaded from the copy, which is gone.
+    shards = {
+        f"{bucket}/fsdp2/step_000000045/__{r}_0.distcp": (local / f"__{r}_0.distcp").stat().st_size for r in (0, 1)
+    }
+    assert {name: fetched[name] for name in shards} == shards
+    assert not any(p.name.startswith(".resume") for p in (tmp_path / "from_s3").iterdir())
     from_disk = train_in_process([*rest, f"checkpoint.resume={local}"], tmp_path / "from_disk")
     assert from_s3["resumed_from_step"] == 45 and from_s3["world_size"] == 1
     assert from_s3["resume_s"] is not None and from_s3["resume_s"] > 0
@@ -112,6 +149,20 @@ def test_keep_last_leaves_exactly_its_checkpoints_and_a_resume_from_2_fsdp_ranks
     # and it continued, not restarted: the first epoch's loss is the FSDP run's, not a fresh one
     fsdp = json.loads((tmp_path / "fsdp2" / "summary.json").read_text())
     assert from_s3["train_loss_per_epoch"][0] == fsdp["train_loss_per_epoch"][0]
+
+
+def test_a_load_fetches_only_the_byte_ranges_it_reads(bucket: str, fetched: Counter[str]) -> None:
+    """Read through s3fs's file objects, DCP's load of one tensor fetched up to 50 MB after it (their
+    read-ahead): the tensors saved after it too."""
+    first, second = torch.arange(2_000_000, dtype=torch.float32), torch.ones(2_000_000)  # 8 MB each
+    url = f"s3://{bucket}/ranges"
+    dcp.save({"first": first, "second": second}, storage_writer=FsspecWriter(url), no_dist=True)
+    fetched.clear()
+    wanted = {"first": torch.zeros_like(first)}  # DCP writes the larger tensors first: "second" lies after it
+    dcp.load(wanted, storage_reader=reader(RemotePath(url)), no_dist=True)
+    assert torch.equal(wanted["first"], first)
+    data = f"{bucket}/ranges/__0_0.distcp"
+    assert first.nbytes <= fetched[data] < first.nbytes + 2**16, fetched  # its bytes, and torch.save's header
 
 
 def test_keep_best_keeps_the_best_evaluations_checkpoint_and_lists_it_in_best_json_there(
