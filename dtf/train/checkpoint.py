@@ -331,9 +331,10 @@ def file_crc32(path: Where, copy_to: Path | None = None) -> str:
             if out is not None:
                 try:
                     out.write(chunk)
-                except OSError:  # a full local disk: read this file from where it is, as without a copy
+                except OSError as e:  # a full local disk: the load reads this file from the store again
                     _drop_copy(out, cast(Path, copy_to))
                     out = None
+                    _warn(f"no local copy of {path} for the load ({e}): it is read from the store again")
     if out is not None:
         out.close()
     return f"{crc:08x}"
@@ -342,7 +343,8 @@ def file_crc32(path: Where, copy_to: Path | None = None) -> str:
 def _open_copy(path: Path) -> IO[bytes] | None:
     try:
         return path.open("wb")
-    except OSError:
+    except OSError as e:
+        _warn(f"no local copy of {path.name} for the load ({e}): it is read from the store again")
         return None
 
 

@@ -19,6 +19,7 @@ from dtf.errors import UserError
 from dtf.train.checkpoint import (
     MARKER,
     committed,
+    file_crc32,
     file_record,
     is_complete,
     resolve_resume,
@@ -476,3 +477,17 @@ def test_checkpoint_dir_and_resume_name_a_folder_or_a_url() -> None:
     assert back == step and back.storage_options == {"key": "k"} and back.key == "checkpoint.dir"
     assert (step.name, step.parent, step.with_name("best.json")) == ("step_000000010", root, root / "best.json")
     assert location("s3://bucket/run1/step_000000010", None, "checkpoint.resume").key == "checkpoint.resume"
+
+
+def test_a_copy_that_cannot_be_kept_is_named_and_the_checksum_still_taken(tmp_path: Path, capsys) -> None:
+    """A resume from an object store keeps the files a rank checks (their copies are what it loads);
+    where the copy cannot be written, the file is read from the store again, and a line says so."""
+    data = tmp_path / "__0_0.distcp"
+    data.write_bytes(os.urandom(1 << 16))
+    unwritable = tmp_path / "no-such-folder" / data.name
+    assert file_crc32(data, unwritable) == file_crc32(data)
+    assert not unwritable.exists()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("dtf: warning: no local copy of __0_0.distcp for the load (") and "\n" not in line, line
+    kept = tmp_path / "kept"
+    assert file_crc32(data, kept) == file_crc32(data) and kept.read_bytes() == data.read_bytes()
