@@ -36,6 +36,15 @@ def is_remote(url: str) -> bool:
     return urlparse(url).scheme not in ("", "file", "local")
 
 
+def file_system_module(url: str) -> str | None:
+    """The module of the fsspec file system of a remote URL (s3fs for s3://), from fsspec's own
+    registry; None for a local path or a scheme fsspec does not know."""
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(urlparse(url).scheme) if is_remote(url) else None
+    return None if known is None else str(known["class"]).rsplit(".", 1)[0]
+
+
 def options(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """storage_options with dtf's bounded waits added where the URL is on S3 and they are unset."""
     found = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (storage_options or {}).items()}

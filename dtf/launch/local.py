@@ -25,7 +25,6 @@ from multiprocessing import util as mp_util
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -438,18 +437,15 @@ _URL_KEYS = ("checkpoint.dir", "checkpoint.resume", "data.path", "data.val_path"
 def _file_system_modules(composed: DictConfig) -> list[str]:
     """The modules of the fsspec file systems of the run's remote URLs (one not installed is left
     to the refusal that names it: the forkserver passes over a preload it cannot import)."""
-    from fsspec.registry import known_implementations
-
     modules = set()
     for key in _URL_KEYS:
         try:
             value = OmegaConf.select(composed, key, default=None)
         except OmegaConfBaseException:  # unset (???), or an interpolation the driver cannot resolve
             continue
-        if isinstance(value, str) and remote.is_remote(value):
-            known = known_implementations.get(urlparse(value).scheme)
-            if known is not None:
-                modules.add(known["class"].rsplit(".", 1)[0])
+        module = remote.file_system_module(value) if isinstance(value, str) else None
+        if module is not None:
+            modules.add(module)
     return sorted(modules)
 
 
