@@ -954,38 +954,31 @@ def recorded_position(path: Where, copies: LocalCopies | None = None) -> TrainSt
     return position
 
 
-def newest_intact(root: Where) -> Where | None:
-    """The newest checkpoint under root that is complete and undamaged; each one passed over is named
-    in a warning line (incomplete ones are normal after a kill; damaged ones are not). On an object
-    store, the newest complete one: its checksums are checked by every rank, each its share of the
-    files, before it is loaded (dtf.train.loop.choose_checkpoint), not all of it here."""
+def newest_complete(root: Where) -> Where | None:
+    """The newest complete checkpoint under root; each incomplete one passed over is named in a
+    warning line (normal after a kill). Its checksums are checked by every rank, each its share of
+    the files, before it is loaded (dtf.train.loop.choose_checkpoint), not all of it by one process
+    here: a resume reads no more than the load does, whatever the world size."""
     found, skipped = scan(root)
     for path, why in skipped:
         _warn(f"skipping checkpoint {path}: {why}")
-    for path in found:
-        if isinstance(path, RemotePath):
-            return path
-        ok, why = verify(path)
-        if ok:
-            return path
-        _warn(f"skipping checkpoint {path}: {why}; resuming from the one before it")
-    return None
+    return found[0] if found else None
 
 
 def resolve_resume(setting: str, root: Where, storage_options: dict[str, Any] | None = None) -> Where | None:
-    """checkpoint.resume: auto (newest intact checkpoint of this run dir, if any), never, or a path
-    or URL (on an object store, complete: its checksums are checked by the ranks, as newest_intact's)."""
+    """checkpoint.resume: auto (newest complete checkpoint of this run dir, if any), never, or a path
+    or URL of a complete one (its checksums are checked by the ranks, as newest_complete's)."""
     if setting == "never":
         return None
     if setting == "auto":
-        return newest_intact(root)
+        return newest_complete(root)
     path = location(setting, storage_options, "checkpoint.resume")
     try:
         if not path.is_dir():
             raise UserError(
                 f"checkpoint.resume={setting}: no such checkpoint directory; give a step_* folder, auto or never"
             )
-        ok, why = is_complete(path) if isinstance(path, RemotePath) else verify(path)
+        ok, why = is_complete(path)
     except UserError:
         raise
     except Exception as e:
@@ -1012,7 +1005,7 @@ def choose_start(
     can neither outlive the new run's checkpoints nor be continued by a later resume=auto. An
     object store cannot move them (no rename): a fresh start there is refused in one line."""
     if attempt > 0:
-        newest = newest_intact(root)
+        newest = newest_complete(root)
         if newest is not None or setting in ("auto", "never"):
             return newest, None
         # no checkpoint of its own yet: where the first attempt began

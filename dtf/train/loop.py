@@ -248,11 +248,11 @@ def setup_model(run: RunConfig, env: dist_env.DistEnv) -> ModelParts:
 
 def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> tuple[Where | None, LocalCopies | None]:
     """The checkpoint this run starts from, if any. Rank 0 picks it (it alone warns about incomplete
-    ones); every rank loads it. One on an object store is checked by every rank first, each the
-    checksums of its share of the files (rank 0 does not read all of it), and with resume=auto the
-    one before it is tried when it is damaged. The files a rank checked stay in the run dir (the
-    LocalCopies returned, which the caller removes after the load): at the same world size they are
-    those it loads, so it downloads them once. Collective."""
+    ones); every rank loads it. Every rank checks it first, each the checksums of its share of the
+    files (no rank reads all of it), and with resume=auto the one before it is tried when it is
+    damaged. The files a rank checked on an object store stay in the run dir (the LocalCopies
+    returned, which the caller removes after the load): at the same world size they are those it
+    loads, so it downloads them once. Collective."""
     ck = run.checkpoint
     root = checkpoint_root(run_dir, ck.dir, ck.storage_options)
     attempt = dist_env.attempt_number()
@@ -263,16 +263,15 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> t
             print(f"dtf: {note}", flush=True)
         if found is not None:
             tries = [str(found)]
-        if isinstance(found, RemotePath) and (ck.resume == "auto" or attempt > 0):
+        if found is not None and (ck.resume == "auto" or attempt > 0):
             tries += [str(p) for p in committed(root) if p.name < found.name]  # newest first
     tries = dist_env.broadcast_from_main(tries)
     copies: LocalCopies | None = None
     try:
         for i, text in enumerate(tries):
             path = location(text, ck.storage_options)
-            if not isinstance(path, RemotePath):
-                return path, None  # rank 0 verified it (local files: it reads them from its page cache)
-            copies = LocalCopies(run_dir / f".resume-rank{env.rank}")  # (emptied of the one before's)
+            if isinstance(path, RemotePath):
+                copies = LocalCopies(run_dir / f".resume-rank{env.rank}")  # (emptied of the one before's)
             mine = _share_damaged(path, env, copies)
             problems = [mine]
             if env.world_size > 1:
@@ -295,12 +294,14 @@ def choose_checkpoint(run: RunConfig, env: dist_env.DistEnv, run_dir: Path) -> t
     return None, None
 
 
-def _share_damaged(path: RemotePath, env: dist_env.DistEnv, copies: LocalCopies) -> str:
+def _share_damaged(path: Where, env: dist_env.DistEnv, copies: LocalCopies | None) -> str:
     """This rank's share of the checkpoint's checksums (checkpoint.damaged), its files kept in
     copies; a store that fails while it reads them (not the checkpoint's fault) ends the run in one line."""
     try:
         return damaged(path, env.rank, env.world_size, copies)
     except Exception as e:
+        if not isinstance(path, RemotePath):
+            raise
         line = remote.diagnose(e, str(path), path.key, "checking the checkpoint's checksums")
         if line is None:
             raise

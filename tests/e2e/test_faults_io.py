@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from dtf.errors import UserError
-from dtf.train.checkpoint import newest_intact
+from dtf.train.checkpoint import newest_complete, verify
 from tests.helpers.inprocess import compose_config
 from tests.helpers.run_command import (
     TEST_DEFAULTS,
@@ -173,5 +173,5 @@ def test_a_checkpoints_folder_made_read_only_mid_run_is_one_line_naming_it(tmp_p
         f"(chmod -R u+w {checkpoints}, or mount it read-write), or put checkpoints elsewhere (checkpoint.dir), then "
         "run the same command to continue"
     ], err[-3000:]
-    newest = newest_intact(checkpoints)
-    assert newest is not None and newest.name == "step_000000020"
+    newest = newest_complete(checkpoints)
+    assert newest is not None and newest.name == "step_000000020" and verify(newest) == (True, "")
