@@ -13,8 +13,6 @@ import pytest
 from tests.helpers.gloo import run_on_ranks
 from tests.helpers.inprocess import compose_config, train_on_ranks
 
-pytestmark = pytest.mark.slow  # (test-fast's budget: the checkpoint tests run in make test)
-
 ARGS = ["data.dataset.num_points=640", "data.dataset.num_test=64", "strategy=fsdp"]
 
 
