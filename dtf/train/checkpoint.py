@@ -334,7 +334,7 @@ def file_crc32(path: Where, copy_to: Path | None = None) -> str:
                 except OSError as e:  # a full local disk: the load reads this file from the store again
                     _drop_copy(out, cast(Path, copy_to))
                     out = None
-                    _warn(f"no local copy of {path} for the load ({e}): it is read from the store again")
+                    _warn_no_copy(path.name, e)
     if out is not None:
         out.close()
     return f"{crc:08x}"
@@ -344,8 +344,12 @@ def _open_copy(path: Path) -> IO[bytes] | None:
     try:
         return path.open("wb")
     except OSError as e:
-        _warn(f"no local copy of {path.name} for the load ({e}): it is read from the store again")
+        _warn_no_copy(path.name, e)
         return None
+
+
+def _warn_no_copy(name: str, e: OSError) -> None:
+    _warn(f"no local copy of {name} for the load ({e}): it is read from the store again")
 
 
 def _drop_copy(out: IO[bytes], path: Path) -> None:
