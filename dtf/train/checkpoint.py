@@ -961,8 +961,7 @@ def recorded_position(path: Where, copies: LocalCopies | None = None) -> TrainSt
 def newest_complete(root: Where) -> Where | None:
     """The newest complete checkpoint under root; each incomplete one passed over is named in a
     warning line (normal after a kill). Its checksums are checked by every rank, each its share of
-    the files, before it is loaded (dtf.train.loop.choose_checkpoint), not all of it by one process
-    here: a resume reads no more than the load does, whatever the world size."""
+    the files, before it is loaded (dtf.train.loop.choose_checkpoint): no process reads it whole."""
     found, skipped = scan(root)
     for path, why in skipped:
         _warn(f"skipping checkpoint {path}: {why}")
