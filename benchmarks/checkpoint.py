@@ -34,10 +34,13 @@ started here with scripts/local-s3.sh). The resume of one checkpoint (deep_mlp, 
 saved by max(--worlds) ranks) at each world size, from local disk and from S3: summary.json's
 resume_s (from choosing the checkpoint, its checksums checked by the ranks where they check them,
 to its state loaded on every rank; not the start of the processes), medians, and each world
-size's time over one rank's. Then the time a save blocks the loop with checkpoint.dir on S3,
-synchronous against asynchronous (deep_mlp, a checkpoint every 200 of 1200 steps, on --nproc
-ranks: 1 leaves a core to the writer and the server), and their ratio. Targets: async/sync <= 0.05;
-resume at 8 ranks <= 1.2 x at 1.
+size's time over one rank's, printed as soon as they are done. Beside it, the first step's time
+after each resume over a fresh run's at the same world size (first_step_s): above 1, the resume
+would have moved work of its own into the first step; below 1, it still does some of what a
+start does (a process's first use of an operation). Then the time a save blocks the loop with
+checkpoint.dir on S3, synchronous against asynchronous (deep_mlp, a checkpoint every 200 of 1200
+steps, on --nproc ranks: 1 leaves a core to the writer and the server), and their ratio. Targets:
+async/sync <= 0.05; resume at 8 ranks <= 1.2 x at 1.
 """
 
 from __future__ import annotations
@@ -260,8 +263,16 @@ def resume_main(repeats: int, width: int, worlds: list[int], nproc: int) -> None
             fs.put(f"{local}/", f"{bucket}/saved/{local.name}/", recursive=True)
             sources = {"local": str(local), "s3": f"s3://{bucket}/saved/{local.name}"}
             times: dict[tuple[str, int], list[float]] = {(s, w): [] for s in sources for w in worlds}
+            # The first step's time after a resume and in a run started afresh: a process's first use
+            # of each operation (DTensor's sharding propagation among them) falls in one or the other.
+            first_steps: dict[tuple[str, int], list[float]] = {(s, w): [] for s in ("fresh", *sources) for w in worlds}
             for i in range(repeats):
                 for world in worlds:
+                    fresh = dtf_summary(
+                        tmp / f"fresh-{world}-{i}",
+                        [*case, f"launcher.nproc={world}", "trainer.max_steps=2", "checkpoint.at_end=false"],
+                    )
+                    first_steps["fresh", world].append(fresh["first_step_s"])
                     for name, path in sources.items():
                         resumed = dtf_summary(
                             tmp / f"resume-{name}-{world}-{i}",
@@ -274,9 +285,14 @@ def resume_main(repeats: int, width: int, worlds: list[int], nproc: int) -> None
                             ],
                         )
                         times[name, world].append(resumed["resume_s"])
+                        first_steps[name, world].append(resumed["first_step_s"])
                         print(
-                            f"repeat {i} resume from {name} on {world} rank(s): {resumed['resume_s']:.3f} s", flush=True
+                            f"repeat {i} resume from {name} on {world} rank(s): {resumed['resume_s']:.3f} s, first "
+                            f"step {resumed['first_step_s']:.3f} s (afresh {fresh['first_step_s']:.3f} s)",
+                            flush=True,
                         )
+            print(f"load average after the resumes: {os.getloadavg()[0]:.2f} (1 min)\n")
+            report_resumes(times, first_steps, worlds, size_mb, width)
             # Saves with checkpoint.dir on S3: how long each blocks the loop, synchronous and asynchronous.
             blocked: dict[bool, list[float]] = {False: [], True: []}
             deep = [*S3_SAVES, f"model.width={width}", f"launcher.nproc={nproc}"]
@@ -294,23 +310,39 @@ def resume_main(repeats: int, width: int, worlds: list[int], nproc: int) -> None
                         flush=True,
                     )
             fs.rm(bucket, recursive=True)
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)\n")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    sync_ms, async_ms = (statistics.median(blocked[m]) * 1e3 for m in (False, True))
+    print(
+        f"saves to s3 (deep_mlp width {width}, {nproc} ranks of DDP): median time the loop is blocked per save: sync "
+        f"{sync_ms:.1f} ms, async {async_ms:.1f} ms, async/sync {async_ms / sync_ms:.3f}"
+    )
+
+
+def report_resumes(
+    times: dict[tuple[str, int], list[float]],
+    first_steps: dict[tuple[str, int], list[float]],
+    worlds: list[int],
+    size_mb: float,
+    width: int,
+) -> None:
     print(
         f"resume of one checkpoint ({size_mb:.0f} MB: deep_mlp width {width}, FSDP, Adam; saved by {max(worlds)} ranks)"
     )
+    sources = ("local", "s3")
     for name in sources:
         one = statistics.median(times[name, worlds[0]])
         for world in worlds:
             median = statistics.median(times[name, world])
             print(f"  from {name} on {world} rank(s): median {median:.3f} s ({median / one:.2f} x {worlds[0]} rank(s))")
     for world in worlds:
-        s3_s, local_s = (statistics.median(times[n, world]) for n in ("s3", "local"))
+        local_s, s3_s = (statistics.median(times[n, world]) for n in sources)
         print(f"  on {world} rank(s): s3/local {s3_s / local_s:.2f}")
-    sync_ms, async_ms = (statistics.median(blocked[m]) * 1e3 for m in (False, True))
-    print(
-        f"saves to s3 (deep_mlp width {width}, {nproc} ranks of DDP): median time the loop is blocked per save: sync "
-        f"{sync_ms:.1f} ms, async {async_ms:.1f} ms, async/sync {async_ms / sync_ms:.3f}"
-    )
+    for world in worlds:
+        fresh_s = statistics.median(first_steps["fresh", world])
+        after = ", ".join(
+            f"after a resume from {n} {statistics.median(first_steps[n, world]) / fresh_s:.2f}x" for n in sources
+        )
+        print(f"  first step on {world} rank(s): afresh median {fresh_s:.3f} s; {after}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
 from dtf.memory import WHOLE_REPLICA, OptimizerFactory, StateShares
+from dtf.train.optimizer import allocate_state
 
 # The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
 # FSDP2 family's MixedPrecisionPolicy compute in it.
@@ -74,6 +75,7 @@ class Strategy(ABC):
     def state_dict(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter names (sharded tensors stay sharded), the
         form torch.distributed.checkpoint saves and reshards onto any world size or strategy."""
+        allocate_state(optimizer)  # where it has none yet: what torch's get_state_dict would step for
         model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optim": optim_state}
 
