@@ -50,6 +50,7 @@ from dtf.errors import EveryRankUserError, UserError
 from dtf.files import out_of_space, write_atomically, write_json, write_refused
 from dtf.train.checkpoint_store import RemotePath, Where, location
 from dtf.train.rng import rng_state
+from dtf.train.save_plan import SmallReplicasOnOneRank
 from dtf.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -638,7 +639,7 @@ class SaveRequest:
     path: Where
     state: dict[str, Any]  # DCP's: model and optimizer
     files: dict[str, bytes]  # dtf's own small files (rank_<r>.pt; trainer.pt on rank 0), serialized
-    planner: SavePlanner | None = None  # DCP's default unless the writer process sets its own
+    planner: SavePlanner | None = None  # SmallReplicasOnOneRank unless the writer process sets its own
     collective = True  # every rank's writer at once (their group is joined for it)
 
     def carry_out(self, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
@@ -725,7 +726,7 @@ def write_files(request: SaveRequest, rank: int, world_size: int) -> dict[str, d
         _write(path / name, data)
         records[name] = bytes_record(len(data), zlib.crc32(data))
     writer, files = _storage_writer(path)
-    dcp.save(request.state, storage_writer=writer, planner=request.planner)
+    dcp.save(request.state, storage_writer=writer, planner=request.planner or SmallReplicasOnOneRank())
     return records | files.records
 
 

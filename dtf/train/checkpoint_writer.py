@@ -60,7 +60,6 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the reductions that pass tensors through shared memory
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -68,6 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from dtf.errors import UserError
 from dtf.helper_process import end_with_parent, main_script_hidden
 from dtf.signals import ignore_stop_signals
+from dtf.train.save_plan import SmallReplicasOnOneRank
 
 
 class Request(Protocol):
@@ -467,8 +467,8 @@ class Written:
     buffers: frozenset[int]
 
 
-class WrittenBuffers(DefaultSavePlanner):
-    """DCP's default planner, which also notes the shared buffers this rank writes once DCP has
+class WrittenBuffers(SmallReplicasOnOneRank):
+    """The rank's save planner, which also notes the shared buffers this rank writes once DCP has
     given each replicated tensor to one rank, and refuses to write one not copied for this save."""
 
     def __init__(self, buffers: list[torch.Tensor], fresh: frozenset[int] | None) -> None:

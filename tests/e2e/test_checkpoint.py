@@ -270,7 +270,7 @@ def test_incomplete_or_truncated_checkpoints_are_skipped_never_loaded(tmp_path: 
     run_dtf([*args, f"trainer.max_steps={K}"], run_dir)
     ckpts = run_dir / "checkpoints"
     newest = ckpts / f"step_{K:09d}"
-    shard = next(newest.glob("*.distcp"))
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)  # one with tensors in it
     shard.write_bytes(shard.read_bytes()[:10])  # truncated, as by a full disk or a kill mid-copy
     (ckpts / "step_000000099").mkdir()  # a save that never committed
     # named explicitly, a bad checkpoint is an error before anything starts, not a silent fallback
@@ -616,7 +616,7 @@ def test_a_checkpoint_damaged_after_its_commit_is_never_loaded(tmp_path: Path, s
     run_dir = tmp_path / "resumed"
     run_dtf([*COMMON, f"trainer.max_steps={K}"], run_dir)
     newest = run_dir / "checkpoints" / f"step_{K:09d}"
-    shard = next(newest.glob("*.distcp"))
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)  # one with tensors in it
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle of the tensors: same size, new values
     shard.write_bytes(bytes(data))

@@ -188,13 +188,13 @@ def test_a_damaged_object_is_found_by_the_ranks_checksums_and_never_loaded(bucke
     url = f"s3://{bucket}/damaged"
     args = ["data.dataset.num_points=640", "data.dataset.num_test=64", "checkpoint.every_n_steps=10"]
     train_on_ranks(2, [("first", [*args, "trainer.max_steps=20", f"checkpoint.dir={url}"])], tmp_path)
-    shard = f"{bucket}/damaged/step_000000020/__1_0.distcp"
+    shard = f"{bucket}/damaged/step_000000020/__0_0.distcp"  # all of a small DDP model (dtf.train.save_plan)
     data = bytearray(_fs().cat_file(shard))
     data[-1] ^= 0xFF  # same size: only its checksum tells
     _fs().pipe_file(shard, bytes(data))
     with pytest.raises(UserError) as err:
         train_in_process([*args, "trainer.max_steps=30", f"checkpoint.resume={url}/step_000000020"], tmp_path / "r")
-    assert "__1_0.distcp is damaged" in str(err.value)
+    assert "__0_0.distcp is damaged" in str(err.value)
     again = train_on_ranks(2, [("first", [*args, "trainer.max_steps=30", f"checkpoint.dir={url}"])], tmp_path)
     assert again["first"]["resumed_from_step"] == 10  # resume=auto: the one before it
 
