@@ -6,7 +6,8 @@ model) is copied into buffers made once and handed to the writer once (StateBuff
 save sends only what is not a tensor (the learning rate, the parameter names), and copies only the
 tensors this rank's writer writes: DCP gives each tensor that several ranks hold (DDP's replicas) to
 one of them, the same ones at every save of the same state, which the writer reports after the
-first (WrittenBuffers), so each of 2 DDP ranks copies about half its state. Anything else (GPU
+first (WrittenBuffers), so each of 2 DDP ranks copies about half its state (the small ones all
+go to rank 0: dtf.train.save_plan). Anything else (GPU
 memory, DTensor shards) goes through torch's DefaultStager, which pins on CUDA and also reuses its
 buffers, but deep-copies the state and passes every buffer's file descriptor again at each save.
 
