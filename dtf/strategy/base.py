@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from dtf.dist.env import DistEnv
 from dtf.memory import WHOLE_REPLICA, OptimizerFactory, StateShares
-from dtf.train.optimizer import allocate_state
+from dtf.strategy.optimizer_state import allocate_state
 
 # The low dtype of each mixed trainer.precision: the loop's autocast (dtf.train.precision) and the
 # FSDP2 family's MixedPrecisionPolicy compute in it.

@@ -1,4 +1,4 @@
-"""dtf.train.optimizer.allocate_state, which a resume loads the optimizer's state into, makes on
+"""dtf.strategy.optimizer_state.allocate_state, which a resume loads the optimizer's state into, makes on
 every rank what torch's own zero-gradient step makes (torch.distributed.checkpoint.state_dict's
 _init_optim_state): the same keys, and each tensor of the same kind, layout, shape, dtype and
 device. Checked against torch's on the FSDP family's sharded parameters: unevenly sharded, one
@@ -61,7 +61,7 @@ def _compare(rank: int, world_size: int, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dtf.train.optimizer import allocate_state
+    from dtf.strategy.optimizer_state import allocate_state
 
     meshes = {
         "fsdp": init_device_mesh("cpu", (world_size,)),
@@ -98,7 +98,7 @@ class _OwnAdam(torch.optim.Adam):
 
 @pytest.mark.parametrize("cls", [_OwnAdam, torch.optim.Adafactor])
 def test_optimizers_it_cannot_vouch_for_are_left_to_torchs_step(cls: type[torch.optim.Optimizer]) -> None:
-    from dtf.train.optimizer import allocate_state
+    from dtf.strategy.optimizer_state import allocate_state
 
     # Adafactor keeps factored row and column statistics, not shaped like the parameter.
     optimizer = cls(torch.nn.Linear(3, 4).parameters(), lr=0.01)

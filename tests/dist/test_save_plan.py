@@ -50,7 +50,7 @@ def test_the_small_replicated_items_are_one_range_at_the_start_of_rank_0s_file(
 ) -> None:
     items = _items(saved[strategy])
     shared = [item for item in items if _replicated(item[3])]
-    assert len(shared) > 20  # the settings and a step count of each of the 18 parameters
+    assert len(shared) > 20  # the settings, and a step count for each of the 20 parameters
     assert {file for file, *_ in shared} == {"__0_0.distcp"}
     in_rank_0 = [item for item in items if item[0] == "__0_0.distcp"]
     small_end = max(offset + length for _, offset, length, _ in in_rank_0 if length <= SMALL_ITEM_BYTES)
