@@ -1,6 +1,6 @@
-"""dtf.strategy.optimizer_state.allocate_state, which a resume loads the optimizer's state into, makes on
-every rank what torch's own zero-gradient step makes (torch.distributed.checkpoint.state_dict's
-_init_optim_state): the same keys, and each tensor of the same kind, layout, shape, dtype and
+"""dtf.strategy.optimizer_state.allocate_state, which a resume loads the optimizer's state into,
+makes on every rank what torch's own zero-gradient step makes (torch.distributed.checkpoint.
+state_dict's _init_optim_state): the same keys, and each tensor of the same kind, layout, shape, dtype and
 device. Checked against torch's on the FSDP family's sharded parameters: unevenly sharded, one
 rank's shard empty, and on a 2-D mesh as strategy=mics lays them out. That the resumed runs then
 continue bit for bit is tests/e2e/test_checkpoint.py's."""
