@@ -7,9 +7,9 @@ save sends only what is not a tensor (the learning rate, the parameter names), a
 tensors this rank's writer writes: DCP gives each tensor that several ranks hold (DDP's replicas) to
 one of them, the same ones at every save of the same state, which the writer reports after the
 first (WrittenBuffers), so each of 2 DDP ranks copies about half its state (the small ones all
-go to rank 0: dtf.train.save_plan). Anything else (GPU
-memory, DTensor shards) goes through torch's DefaultStager, which pins on CUDA and also reuses its
-buffers, but deep-copies the state and passes every buffer's file descriptor again at each save.
+go to rank 0: dtf.train.save_plan). Anything else (GPU memory, DTensor shards) goes through
+torch's DefaultStager, which pins on CUDA and also reuses its buffers, but deep-copies the state
+and passes every buffer's file descriptor again at each save.
 
 The tensors that only the optimizer step changes (parameters and optimizer state: the caller names
 them) need not be copied before the loop goes on: a thread copies them while the next step's
